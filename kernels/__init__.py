@@ -1,0 +1,1 @@
+"""Attention masks, TTT attention, and cross-entropy kernels (Triton with plain-torch fallbacks)."""
