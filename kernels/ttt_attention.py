@@ -1,0 +1,233 @@
+"""EAGLE-3 training-time-test (TTT) attention.
+
+At TTT step k the draft has keys/values from every earlier step. Query i of step k sees
+  * step-0 keys j <= i (ordinary causal attention over the real prefix), and
+  * the key at the same position i of each later step 1..k (the "diagonal suffix"),
+because step s at position i stands for the token the draft itself proposed s places ahead
+of position i; no other position's proposals are visible to it.
+
+Shapes: q_BHTD [B, Hq, T, D] (rope applied); ks/vs: lists of k+1 tensors [B, Hkv, T, D],
+step 0 first. GQA: Hq = g * Hkv. Right padding needs no extra mask: a valid query never
+reaches a padded key through the causal part, and diagonal keys sit at its own position.
+"""
+import math
+
+import torch
+
+
+def _expand_kv(x_BHTD: torch.Tensor, groups: int) -> torch.Tensor:
+    return x_BHTD if groups == 1 else x_BHTD.repeat_interleave(groups, dim=1)
+
+
+def ttt_attention_eager(q, ks, vs):
+    """Reference: materialise [T, T] causal logits plus k diagonal columns, one softmax."""
+    B, Hq, T, D = q.shape
+    g = Hq // ks[0].shape[1]
+    scale = 1.0 / math.sqrt(D)
+    k0, v0 = _expand_kv(ks[0], g), _expand_kv(vs[0], g)
+    scores_BHTT = (q @ k0.transpose(-1, -2)) * scale
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores_BHTT = scores_BHTT.masked_fill(~causal, float("-inf"))
+    # diag_BHTk[..., s-1] = q_i . k_s,i for the later steps s = 1..k
+    diag = [(q * _expand_kv(k, g)).sum(-1, keepdim=True) * scale for k in ks[1:]]
+    probs = torch.cat([scores_BHTT, *diag], dim=-1).float().softmax(-1).to(q.dtype)
+    out = probs[..., :T] @ v0
+    for s, v in enumerate(vs[1:]):
+        out = out + probs[..., T + s : T + s + 1] * _expand_kv(v, g)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory-lean version: fused causal attention over step 0 (never a [T, T] tensor of ours) and
+# the k diagonal terms, merged by log-sum-exp (the split-softmax merge of flash-decoding).
+#
+# Backward trick: for the full softmax over [causal keys, diagonal keys] with output O and
+# log-sum-exp L, the causal block's gradient is exactly what a flash backward computes when it
+# is handed the *merged* O and L instead of its own: it rebuilds P_ij = exp(s_ij - L_i) and
+# dS_ij = P_ij (dO_i . v_j - dO_i . O_i). So no gradient through the kernel's lse is needed;
+# the k diagonal columns get the same formula elementwise. Memory saved for backward:
+# q, ks, vs, O (inputs/outputs that exist anyway) plus L [B, Hq, T] and P_diag [B, Hq, T, k].
+# ---------------------------------------------------------------------------------------------
+
+
+def _causal_fwd(q, k, v, scale):
+    """(out [B,H,T,D] q.dtype, lse [B,H,T] fp32, aux for backward); k, v already have Hq heads."""
+    T = q.shape[2]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+    if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset = r[:8]
+        return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
+    # fp32 (or odd head dims) on CUDA: memory-efficient attention; its lse is padded to 32 rows
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, True, scale=scale
+    )
+    return out, lse[..., :T], ("efficient", lse.shape[-1], seed, offset)
+
+
+def _causal_bwd(dout, q, k, v, out, lse, aux, scale):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
+    if aux[0] == "flash":
+        _, cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        )
+    _, padded_T, seed, offset = aux
+    lse = torch.nn.functional.pad(lse, (0, padded_T - lse.shape[-1]))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
+    )
+    return dq, dk, dv
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """q-side tensor [B, Hq, T, ...] -> [B, Hkv, g, T, ...] so that a kv tensor [B, Hkv, T, ...]
+    broadcasts against it as kv[:, :, None]: GQA without materialising repeated kv heads."""
+    B, Hq = x.shape[:2]
+    return x.view(B, Hq // groups, groups, *x.shape[2:])
+
+
+def _group_sum(x_BHTD: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hq, T, D] -> [B, Hkv, T, D]: gradient of _expand_kv (repeat_interleave)."""
+    return x_BHTD if groups == 1 else _grouped(x_BHTD, groups).sum(2)
+
+
+class _TTTAttentionLSE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, *kvs):
+        n = len(kvs) // 2  # k + 1 steps
+        ks, vs = kvs[:n], kvs[n:]
+        B, Hq, T, D = q.shape
+        g = Hq // ks[0].shape[1]
+        scale = 1.0 / math.sqrt(D)
+        out0, lse0, aux = _causal_fwd(q, _expand_kv(ks[0], g), _expand_kv(vs[0], g), scale)
+        lse = lse0.float()  # [B,Hq,T]; becomes the lse over all T + k logits of each row
+        p_diag = None
+        if n > 1:
+            qg = _grouped(q, g).float()
+            # diag_BHTk[..., s-1] = q_i . k_s,i * scale: the k extra logits of row i
+            diag = torch.stack([(qg * k.float()[:, :, None]).sum(-1).view(B, Hq, T) for k in ks[1:]], -1) * scale
+            lse = torch.cat([lse[..., None], diag], -1).logsumexp(-1)
+            p_diag = torch.exp(diag - lse[..., None])  # [B,Hq,T,k] their softmax weights
+        out = torch.exp(lse0.float() - lse)[..., None] * out0.float()
+        for s, v in enumerate(vs[1:]):
+            _grouped(out, g).add_(_grouped(p_diag[..., s, None], g) * v.float()[:, :, None])
+        out = out.to(q.dtype)
+        ctx.aux, ctx.scale, ctx.n = aux, scale, n
+        ctx.save_for_backward(q, *kvs, out, lse, p_diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, *rest = ctx.saved_tensors
+        n, scale = ctx.n, ctx.scale
+        ks, vs, (out, lse, p_diag) = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        g = q.shape[1] // ks[0].shape[1]
+        dout = dout.to(q.dtype).contiguous()  # autograd may hand us an expanded (stride-0) grad
+        # causal block: the kernel's backward with the merged out/lse (see the comment above)
+        dq, dk0, dv0 = _causal_bwd(dout, q, _expand_kv(ks[0], g), _expand_kv(vs[0], g), out, lse, ctx.aux, scale)
+        dks, dvs = [_group_sum(dk0, g)], [_group_sum(dv0, g)]
+        if n > 1:
+            do32, q32 = _grouped(dout.float(), g), _grouped(q.float(), g)  # [B,Hkv,g,T,D]
+            dq = dq.float()
+            delta = (do32 * _grouped(out.float(), g)).sum(-1, keepdim=True)  # dO_i . O_i
+            for s in range(n - 1):
+                k, v = ks[s + 1].float()[:, :, None], vs[s + 1].float()[:, :, None]
+                p = _grouped(p_diag[..., s, None], g)  # [B,Hkv,g,T,1]
+                ds = p * ((do32 * v).sum(-1, keepdim=True) - delta) * scale  # d loss / d q_i.k_i
+                _grouped(dq, g).add_(ds * k)
+                dks.append((ds * q32).sum(2).to(ks[s + 1].dtype))
+                dvs.append((p * do32).sum(2).to(vs[s + 1].dtype))
+        return (dq.to(q.dtype), *dks, *dvs)
+
+
+def ttt_attention_lse(q, ks, vs):
+    """Same contract as ttt_attention_eager, O(T) extra memory: fused causal kernel + k
+    diagonal terms merged by log-sum-exp; custom backward (see the comment above)."""
+    if q.device.type not in ("cpu", "cuda"):
+        return ttt_attention_eager(q, ks, vs)
+    return _TTTAttentionLSE.apply(q, *ks, *vs)
+
+
+# ---------------------------------------------------------------------------------------------
+# FlexAttention version: keys/values of all steps concatenated along the sequence, one flex
+# call with the TTT mask (kernels/masks.py). Every step is padded to a multiple of the block
+# size so steps never share a KV block: step 0 is block-causal and steps 1..k contribute one
+# diagonal block per query block; queries are padded the same way, so the compiled kernel sees
+# only (Tp, (k+1) Tp) shapes (one compile per 128-bucket of T and per k).
+# The BlockMask is built from that known block structure (no dense [T, (k+1)T] mask is ever
+# evaluated); without lengths it depends only on (Tp, k, device) and is cached.
+# ---------------------------------------------------------------------------------------------
+import functools  # noqa: E402
+
+from kernels.masks import BlockMask, flex_attention_compiled, flex_attention_eager, ttt_mask  # noqa: E402
+
+FLEX_BLOCK = 128
+
+
+def _dense_to_kv_blocks(dense_BHqk: torch.Tensor):
+    """Block-level bool [B, H, nq, nkv] -> (num_blocks [B,H,nq], indices [B,H,nq,nkv]) int32."""
+    num = dense_BHqk.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(dense_BHqk.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx
+
+
+def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK) -> BlockMask:
+    """BlockMask for ttt_mask(k, Tp, lengths) with Q_LEN = Tp, KV_LEN = (k+1) Tp, Tp % block == 0.
+
+    Block (qb, kb) with step s = kb // nb, key block jb = kb % nb is full when s == 0 and
+    jb < qb (every key precedes every query) and partial (mask_mod evaluated) on the
+    diagonal jb == qb of every step. With lengths [B], query blocks entirely past lengths[b]
+    are dropped and a full block whose queries are only partly valid becomes partial.
+    """
+    assert Tp % block == 0
+    nb = Tp // block
+    qb = torch.arange(nb, device=device)[:, None]
+    kb = torch.arange((k + 1) * nb, device=device)[None, :]
+    s, jb = kb // nb, kb % nb
+    full = ((s == 0) & (jb < qb))[None, None]  # [1, 1, nq, nkv]
+    partial = (jb == qb)[None, None]
+    if lengths is not None:
+        L = lengths.to(device).view(-1, 1, 1, 1)
+        q_all_valid = (qb[None, None] + 1) * block <= L  # [B, 1, nq, 1]
+        q_any_valid = qb[None, None] * block < L
+        partial = (partial | (full & ~q_all_valid)) & q_any_valid
+        full = full & q_all_valid
+    return BlockMask.from_kv_blocks(
+        *_dense_to_kv_blocks(partial),
+        *_dense_to_kv_blocks(full),
+        BLOCK_SIZE=block,
+        mask_mod=ttt_mask(k, Tp, lengths),
+        seq_lengths=(Tp, (k + 1) * Tp),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device) -> BlockMask:
+    return ttt_block_mask(Tp, k, None, device)
+
+
+def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compiled: bool = True):
+    """Same contract as ttt_attention_eager, through one flex_attention call.
+
+    lengths [B] (optional): queries at i >= lengths[b] see nothing and return 0. compiled=False
+    runs eager flex (materialises scores; CPU tests). Flex has no backward on CPU.
+    """
+    B, Hq, T, D = q.shape
+    k = len(ks) - 1
+    Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Tp - T)) if Tp != T else x  # noqa: E731
+    k_cat, v_cat = torch.cat([pad(x) for x in ks], 2), torch.cat([pad(x) for x in vs], 2)  # [B,Hkv,(k+1)Tp,D]
+    if lengths is None:
+        block_mask = _cached_ttt_block_mask(Tp, k, q.device)
+    else:
+        block_mask = ttt_block_mask(Tp, k, lengths, q.device)
+    flex = flex_attention_compiled if compiled else flex_attention_eager
+    out = flex(pad(q), k_cat, v_cat, block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1])
+    return out[:, :, :T]
