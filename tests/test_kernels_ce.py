@@ -1,0 +1,130 @@
+"""Cross-entropy kernels (Triton under TRITON_INTERPRET=1, and the plain-torch CPU path) and
+the fused linear + soft CE, against plain-torch references defined here.
+
+TRITON_INTERPRET is read when a kernel is decorated, so the fixture sets it and reloads
+kernels.ce; it restores the environment afterwards so later tests in the same session get
+the fast plain-torch CPU path again.
+"""
+import importlib
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def ce():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        import kernels.ce
+
+        mod = importlib.reload(kernels.ce)
+        assert type(mod._ce_fwd_kernel).__name__ == "InterpretedFunction"
+        yield mod
+    importlib.reload(kernels.ce)  # TRITON_INTERPRET unset again: plain kernels, torch path on CPU
+
+
+@pytest.fixture(params=["triton", "torch"])
+def impl(request, ce, monkeypatch):
+    if request.param == "torch":
+        monkeypatch.setattr(ce, "_use_triton", lambda x: False)
+    return request.param
+
+
+# --------------------------------------------------------------------------- references
+def ref_soft(logits, p, mask):
+    return (mask.float() * -(p.float() * torch.log_softmax(logits.float(), -1)).sum(-1)).sum()
+
+
+def ref_hard(logits, labels, mask):
+    w = mask.float() * (labels >= 0)
+    nll = -torch.log_softmax(logits.float(), -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    return (w * nll).sum()
+
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _data(N, V, dtype, seed=0, masked="some"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(N, V, generator=g) * 3).to(dtype)
+    p = torch.softmax(torch.randn(N, V, generator=g) * 2, -1)
+    p[: N // 3] *= 0.5  # rows whose target mass is < 1 (draft vocab misses part of the target's)
+    p = p.to(dtype)
+    if masked == "all":
+        mask = torch.zeros(N)
+    else:
+        mask = (torch.rand(N, generator=g) > 0.3).float() * torch.rand(N, generator=g).add(0.5)
+    return logits, p, mask
+
+
+def _check(got_loss, got_grad, want_loss, want_grad, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(got_loss.float(), want_loss.float(), atol=tol["atol"] * max(1.0, want_loss.abs().item()), rtol=tol["rtol"])
+    assert got_grad.dtype == dtype
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), **tol)
+
+
+@pytest.mark.parametrize("masked", ["some", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,V", [(47, 31), (123, 1000)])
+def test_soft_ce(ce, impl, N, V, dtype, masked):
+    logits, p, mask = _data(N, V, dtype, masked=masked)
+    leaf = logits.clone().requires_grad_()
+    ref_leaf = logits.clone().requires_grad_()
+    z = leaf * 1  # a non-leaf buffer: the backward overwrites it in place
+    loss, argmax = ce.soft_cross_entropy(z, p, mask, return_argmax=True)
+    g = torch.tensor(0.7)
+    loss.backward(g)
+    want = ref_soft(ref_leaf, p, mask)
+    want.backward(g)
+    _check(loss, leaf.grad, want, ref_leaf.grad, dtype)
+    live = mask != 0
+    assert torch.equal(argmax[live], logits[live].float().argmax(-1))
+    assert (argmax[~live] == -1).all()
+    assert (leaf.grad[~live] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,V", [(47, 31), (123, 1000)])
+def test_hard_ce(ce, impl, N, V, dtype):
+    logits, _, mask = _data(N, V, dtype)
+    labels = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(1))
+    labels[::5] = -100  # ignored rows
+    leaf = logits.clone().requires_grad_()
+    ref_leaf = logits.clone().requires_grad_()
+    loss, argmax = ce.hard_cross_entropy(leaf * 1, labels, mask, return_argmax=True)
+    loss.backward()
+    want = ref_hard(ref_leaf, labels, mask)
+    want.backward()
+    _check(loss, leaf.grad, want, ref_leaf.grad, dtype)
+    live = (mask != 0) & (labels >= 0)
+    assert torch.equal(argmax[live], logits[live].float().argmax(-1))
+    assert (argmax[~live] == -1).all()
+
+
+def test_backward_is_in_place(ce, impl):
+    """The gradient handed upstream is the logits buffer itself (no second [N, V] tensor)."""
+    logits, p, mask = _data(9, 40, torch.float32)
+    seen = {}
+    z = logits.clone().requires_grad_()
+    y = z * 1
+    y.register_hook(lambda grad: seen.update(ptr=grad.data_ptr()))
+    ce.soft_cross_entropy(y, p, mask).backward()
+    assert seen["ptr"] == y.data_ptr()
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "col_strided"])
+def test_noncontiguous_inputs(ce, impl, layout):
+    """Row-strided logits are used in place; a non-unit column stride is copied first."""
+    N, V = 33, 70
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(N, 2 * V, generator=g)
+    p = torch.softmax(torch.randn(N, 2 * V, generator=g), -1)
+    sl = (slice(None), slice(0, V)) if layout == "row_strided" else (slice(None), slice(0, 2 * V, 2))
+    mask = torch.ones(N)
+    leaf = big.clone().requires_grad_()
+    loss = ce.soft_cross_entropy((leaf * 1)[sl], p[sl], mask)
+    loss.backward()
+    ref_leaf = big.clone().requires_grad_()
+    ref_soft(ref_leaf[sl], p[sl], mask).backward()
+    _check(loss, leaf.grad, ref_soft(big[sl], p[sl], mask), ref_leaf.grad, torch.float32)
