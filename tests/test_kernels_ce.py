@@ -128,3 +128,34 @@ def test_noncontiguous_inputs(ce, impl, layout):
     ref_leaf = big.clone().requires_grad_()
     ref_soft(ref_leaf[sl], p[sl], mask).backward()
     _check(loss, leaf.grad, ref_soft(big[sl], p[sl], mask), ref_leaf.grad, torch.float32)
+
+
+# --------------------------------------------------------------------------- fused linear + CE
+@pytest.mark.parametrize("masked", ["some", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,H,V,chunk", [(47, 24, 31, 16), (123, 40, 1000, 32)])
+def test_fused_linear_soft_ce(ce, impl, N, H, V, chunk, dtype, masked):
+    from kernels.fused_ce import fused_linear_soft_ce
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(N, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    _, p, mask = _data(N, V, dtype, seed=6, masked=masked)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, argmax = fused_linear_soft_ce(h1, w1, p, mask, chunk_size=chunk)
+    up = torch.tensor(1.3)
+    loss.backward(up)
+    logits = h2 @ w2.T
+    want = ref_soft(logits, p, mask)
+    want.backward(up)
+    tol = TOL[dtype]
+    torch.testing.assert_close(loss, want.float(), atol=tol["atol"] * max(1.0, want.abs().item()), rtol=tol["rtol"])
+    for got, ref in [(h1.grad, h2.grad), (w1.grad, w2.grad)]:
+        assert got.dtype == dtype
+        scale = max(ref.abs().max().item(), 1e-6)
+        torch.testing.assert_close(got.float() / scale, ref.float() / scale, **tol)
+    live = mask != 0
+    assert torch.equal(argmax[live], logits.detach()[live].float().argmax(-1))
+    assert (argmax[~live] == -1).all()
+    assert (h1.grad[~live] == 0).all()
