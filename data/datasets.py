@@ -1,0 +1,134 @@
+"""Chat datasets: loading (packaged ShareGPT, JSON / JSONL / Parquet through `datasets`),
+tokenization into Examples, a held-out split, and deterministic global batches.
+"""
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from data.assets import asset_path
+from data.chat import DataError, Example, check_template, to_messages, tokenize_chat
+
+SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file
+
+
+def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict]:
+    """Records of a JSON array file that may be cut off mid-record (the packaged ShareGPT is):
+    decode record by record and stop at the first incomplete one."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec, records = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    n = len(text)
+    while limit is None or len(records) < limit:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        records.append(obj)
+    return records
+
+
+def _find_bad_json_line(path: Path) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})"
+                if not isinstance(rec, dict):
+                    return f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}"
+    return f"{path}: could not be read as JSON lines or a JSON array"
+
+
+def load_records(source: str, limit: int | None = None) -> list[dict]:
+    """'sharegpt' or a .json / .jsonl / .parquet file (or a directory of them)."""
+    if source == SHAREGPT:
+        return read_truncated_json_array(asset_path("sharegpt"), limit)
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt' or a .json/.jsonl/.parquet path)")
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl", ".parquet")) if path.is_dir() else [path]
+    if not files:
+        raise DataError(f"{path}: no .json/.jsonl/.parquet files inside")
+    import datasets
+
+    datasets.disable_progress_bars()
+    kind = "parquet" if files[0].suffix == ".parquet" else "json"
+    try:
+        ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+    except Exception as e:  # datasets wraps JSON errors deep inside arrow; say where the bad line is
+        if kind == "json":
+            bad = [_find_bad_json_line(f) for f in files]
+            raise DataError("; ".join(b for b in bad if "malformed" in b or "expected" in b) or bad[0]) from e
+        raise DataError(f"{path}: cannot load as {kind}: {e}") from e
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds.to_list()
+
+
+def build_examples(records: list[dict], tokenizer, max_len: int, stats: Counter | None = None) -> list[Example]:
+    """Tokenize records; bad or untrainable records are counted in `stats`, never silently."""
+    check_template(tokenizer)
+    stats = Counter() if stats is None else stats
+    out = []
+    for idx, rec in enumerate(records):
+        try:
+            messages = to_messages(rec)
+        except DataError as e:
+            raise DataError(f"record {idx} (id {rec.get('id', '?')}): {e}") from e
+        ex = tokenize_chat(tokenizer, messages, max_len, stats)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+def split_holdout(examples: list[Example], holdout: int) -> tuple[list[Example], list[Example]]:
+    """The last `holdout` examples are held out (fixed, independent of the training seed)."""
+    if holdout >= len(examples):
+        raise DataError(f"only {len(examples)} usable examples, cannot hold out {holdout}")
+    return examples[: len(examples) - holdout], examples[len(examples) - holdout :]
+
+
+def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids/loss_mask/attention_mask [B, T_max]."""
+    T = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), T), dtype=torch.long)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    for b, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[b, :n] = torch.tensor(e.input_ids)
+        mask[b, :n] = torch.tensor(e.loss_mask)
+        attn[b, :n] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+class GlobalBatches:
+    """Deterministic global batches: epoch e is a permutation seeded by (seed, e); step s of the
+    run is batch s % per_epoch of epoch s // per_epoch. The data position is thus just the step,
+    so resume and any number of ranks see exactly the same samples. Rank r of W takes the r-th
+    contiguous slice of each global batch."""
+
+    def __init__(self, n: int, global_batch: int, seed: int):
+        if global_batch > n:
+            raise DataError(f"global batch {global_batch} is larger than the dataset ({n} examples)")
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.per_epoch = n // global_batch
+        self._perm_epoch, self._perm = -1, None
+
+    def indices(self, step: int, rank: int = 0, world: int = 1) -> list[int]:
+        if self.global_batch % world:
+            raise ValueError(f"global batch {self.global_batch} is not divisible by {world} ranks")
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        batch = self._perm[i * self.global_batch : (i + 1) * self.global_batch]
+        local = self.global_batch // world
+        return batch[rank * local : (rank + 1) * local]

@@ -1,0 +1,289 @@
+"""EAGLE-3 draft (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of LLMs via
+Training-Time Test") and its training-time-test objective.
+
+Architecture (parameter names are the serving format's, see DESIGN.md):
+  fc:        [3*H_t -> H]   fuses three target layers' hidden states
+  midlayer:  one Llama decoder layer whose q/k/v read concat(input_layernorm(embed),
+             hidden_norm(hidden)) [2H]; residual is the un-normed hidden
+  norm, lm_head [H -> Vd]   over the draft vocabulary; d2t/t2d map it to the target's
+The token embeddings are the target's (frozen) and are passed in, not owned.
+
+Training-time test (TTT), step k = 0..K-1, position t (features from target position t):
+  input embedding  = embed(token t+1+k)
+  input hidden     = fc(aux_t) at k = 0, else the step k-1 layer output at t
+  rope position    = t + k
+  attention        = causal over step-0 keys + the diagonal (position t) of steps 1..k
+  soft target      = target softmax over the draft vocab at position t+1+k (token t+2+k)
+  trained iff      token t+2+k is assistant output and the target's argmax is in the draft vocab
+  weight           = 0.8^k
+"""
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data.vocab import draft_to_target
+from kernels.ttt_attention import ttt_attention_eager
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    vocab_size: int  # target vocabulary V
+    draft_vocab_size: int  # Vd
+    target_hidden_size: int
+    aux_layers: list[int] = field(default_factory=list)  # 0-based target layers whose outputs feed fc
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, tc, draft_vocab_size: int, aux_layers: list[int]) -> "Eagle3Config":
+        """A draft shaped like one layer of the target (the EAGLE-3 recipe)."""
+        rope = dict(getattr(tc, "rope_parameters", None) or {})
+        if not rope:  # transformers 4.x style configs
+            rope = {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+            rope.update(getattr(tc, "rope_scaling", None) or {})
+        return cls(
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_parameters=rope,
+            max_position_embeddings=tc.max_position_embeddings,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=tc.hidden_size,
+            aux_layers=list(aux_layers),
+            hidden_act=getattr(tc, "hidden_act", "silu"),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """inv_freq [D/2] and the cos/sin scaling factor, for any rope type HF knows."""
+    if cfg.rope_parameters.get("rope_type", "default") == "default":
+        D = cfg.head_dim
+        return 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2).float() / D), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters),
+    )
+    return ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](hf, "cpu")
+
+
+def apply_rope(x_BHTD, cos_BTD, sin_BTD):
+    half = x_BHTD.shape[-1] // 2
+    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
+    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        H, D = c.hidden_size, c.head_dim
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, D
+        self.q_proj = nn.Linear(2 * H, self.n_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.n_kv * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.n_kv * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        if c.hidden_act != "silu":
+            raise ValueError(f"EAGLE-3 draft supports silu MLPs, the target uses {c.hidden_act}")
+        self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        inv_freq, self.rope_scale = rope_inv_freq(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # ---- building blocks shared by training (TTT) and inference (KV-cached drafting) ----
+    def rope(self, positions_BT: torch.Tensor, dtype):
+        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def qkv(self, embeds_BTH, hidden_BTH, positions_BT):
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D] of one layer pass, rope applied."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x = torch.cat([layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1)
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions_BT, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, attn_BHTD, hidden_BTH):
+        """o_proj + residual + MLP block; returns the layer output (pre final norm)."""
+        layer = self.midlayer
+        B, _, T, _ = attn_BHTD.shape
+        h = hidden_BTH + layer.self_attn.o_proj(attn_BHTD.transpose(1, 2).reshape(B, T, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden):
+        return self.lm_head(self.norm(hidden))
+
+    # ---- inference: one KV-cached pass over new tokens ----
+    def decode(self, embeds_BTH, hidden_BTH, positions_BT, past=None, attn_mask=None):
+        """Run new tokens against a KV cache. past: (k, v) [B, Hkv, L, D] or None.
+        attn_mask: bool [B or 1, 1, T, L + T] (True = attend); None = causal over new tokens
+        with full view of the past. Returns (layer output [B, T, H], new past)."""
+        q, k, v = self.qkv(embeds_BTH, hidden_BTH, positions_BT)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if attn_mask is None:
+            T, L = q.shape[2], k.shape[2]
+            attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        return self.finish(out, hidden_BTH), (k, v)
+
+    # ---- training: the TTT unroll ----
+    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention=ttt_attention_eager):
+        """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
+        loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
+        the global batch whatever the rank split. Returns the weighted loss and detached per-step
+        sums {loss_sum, correct} for logging."""
+        B, T, _ = batch.embeds.shape
+        positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
+        masks = step_masks(batch, self.t2d, ttt_length)
+        draft_ids = self.draft_ids
+        hidden = self.fc(batch.aux_hidden.to(self.fc.weight.dtype))
+        ks, vs, total = [], [], 0.0
+        loss_sums, correct = [], []
+        for k in range(ttt_length):
+            emb = _shift(batch.embeds, 1 + k).to(hidden.dtype)
+            q, kk, vv = self.qkv(emb, hidden, positions + k)
+            ks.append(kk)
+            vs.append(vv)
+            hidden = self.finish(attention(q, ks, vs), hidden)
+            acc_mask, loss_mask = masks[k]
+            rows = acc_mask.reshape(-1).nonzero().squeeze(1)  # compute the head only where trained
+            logits = self.logits(hidden.reshape(B * T, -1)[rows]).float()
+            p = _shift(batch.target_p, 1 + k).reshape(B * T, -1)[rows]
+            lmask = loss_mask.reshape(-1)[rows]
+            ce = -(p * logits.log_softmax(-1)).sum(-1)
+            loss_sum = (ce * lmask).sum()
+            total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
+            top = _shift(batch.target_top, 1 + k).reshape(-1)[rows]
+            loss_sums.append(loss_sum.detach())
+            correct.append((draft_ids[logits.argmax(-1)] == top).sum())
+        return total, {"loss_sum": torch.stack(loss_sums), "correct": torch.stack(correct)}
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return draft_to_target(self.d2t)
+
+
+@dataclass
+class Eagle3Batch:
+    """Target-side tensors for one TTT forward (all [B, T, ...], right padded)."""
+
+    aux_hidden: torch.Tensor  # [B, T, 3*H_t]
+    embeds: torch.Tensor  # [B, T, H]  target embeddings of input_ids (unshifted)
+    target_p: torch.Tensor  # [B, T, Vd] target softmax over the draft vocab at each position
+    target_top: torch.Tensor  # [B, T] target argmax over the full vocab
+    loss_mask: torch.Tensor  # [B, T] 1 = assistant token
+
+
+@torch.no_grad()
+def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids) -> Eagle3Batch:
+    logits = lm_head(features.final_hidden)  # [B, T, V]
+    return Eagle3Batch(
+        aux_hidden=features.aux_hidden,
+        embeds=embed_tokens(input_ids),
+        target_p=logits[..., draft_ids].float().softmax(-1),
+        target_top=logits.argmax(-1),
+        loss_mask=loss_mask,
+    )
+
+
+def _shift(x, n: int):
+    """x[:, t] <- x[:, t + n], zero/False past the end (dim 1 is time)."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def step_masks(batch: Eagle3Batch, t2d: torch.Tensor, ttt_length: int):
+    """Per TTT step k: (acc_mask, loss_mask) [B, T] bool. acc counts every assistant target;
+    the loss drops targets whose argmax the draft vocab cannot express (as SpecForge does)."""
+    out = []
+    for k in range(ttt_length):
+        acc = _shift(batch.loss_mask, 2 + k).bool()
+        out.append((acc, acc & t2d[_shift(batch.target_top, 1 + k)]))
+    return out
+
+
+def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
+    """[K, 2] (acc rows, loss rows) of this rank's batch; all-reduce it for global counts."""
+    return torch.stack([torch.stack([a.sum(), l.sum()]) for a, l in step_masks(batch, t2d, ttt_length)])
+
+
+def init_from_target(draft: Eagle3Draft, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor):
+    """Start the draft head as the target's head restricted to the draft vocab: the draft then
+    only has to learn to produce target-like final hidden states (faster early learning)."""
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(lm_head_weight[draft.draft_ids])
+        draft.norm.weight.copy_(final_norm_weight)
+
+
+def param_count(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+

@@ -1,0 +1,132 @@
+"""The frozen target model: load it (HF directory, GGUF file, or the packaged default) and
+capture the features a draft trains on.
+
+Index conventions (see DESIGN.md): `aux_layers` are 0-based decoder-layer indices whose
+*outputs* we capture; layer i's output is HF `output_hidden_states[i + 1]`. The EAGLE-3
+default is [1, L//2 - 1, L - 4]. The final hidden state is after the model's final norm, so
+`logits = lm_head(final_hidden)`.
+"""
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from data.assets import CACHE_DIR, asset_path
+
+DEFAULT_TARGET = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def resolve_target(spec: str) -> Path:
+    """'smollm2' | path/to/model.gguf | HF model directory  ->  HF directory with safetensors.
+
+    GGUF files are dequantised once into a cached bf16 safetensors directory (later loads take
+    about a second); the write goes to a temporary directory renamed into place, so an
+    interrupted conversion never leaves a directory that looks complete.
+    """
+    gguf = asset_path("smollm2_gguf") if spec == DEFAULT_TARGET else Path(spec)
+    if not gguf.exists():
+        raise FileNotFoundError(f"target '{spec}' not found: pass an HF model directory, a .gguf file, or 'smollm2'")
+    if gguf.is_dir():
+        if not (gguf / "config.json").exists():
+            raise FileNotFoundError(f"target directory {gguf} has no config.json: is it a Hugging Face model dir?")
+        return gguf
+    if gguf.suffix != ".gguf":
+        raise ValueError(f"target file {gguf} is not a .gguf file; pass a Hugging Face model directory instead")
+    out = CACHE_DIR / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[target] converting {gguf.name} to safetensors in {out} (one time, ~30 s)", flush=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kw = {}
+    try:  # newer transformers keep GGUF blocks packed unless asked to unpack them
+        from transformers import GgufConfig
+
+        kw["quantization_config"] = GgufConfig(gguf_file=gguf.name, dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kw)
+    model = model.to(torch.bfloat16)
+    if hasattr(model.config, "quantization_config"):  # the weights are plain tensors now
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    (tmp / "nanospec_source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.ctime()}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class Features:
+    aux_hidden: torch.Tensor  # [B, T, n_aux * H_t]: concatenated outputs of aux_layers
+    final_hidden: torch.Tensor  # [B, T, H_t]: after the final norm
+
+
+class Target(nn.Module):
+    """A frozen HF causal LM that returns only what the draft step needs."""
+
+    def __init__(self, model, aux_layers: list[int] | None = None, path: Path | None = None):
+        super().__init__()
+        self.path, self.model, self.config = path, model.eval().requires_grad_(False), model.config
+        L = self.config.num_hidden_layers
+        self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(L)
+        if any(not 0 <= i < L for i in self.aux_layers):
+            raise ValueError(f"aux_layers {self.aux_layers} out of range for a {L}-layer target")
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in set(self.aux_layers):
+            self.model.model.layers[i].register_forward_hook(self._hook(i))
+
+    @classmethod
+    def load(cls, spec: str | Path, aux_layers=None, dtype=torch.float32, device="cpu") -> "Target":
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_target(str(spec))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return cls(model, aux_layers, path)
+
+    def _hook(self, i):
+        def save(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return save
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Features:
+        # right padding only: pass no mask when nothing is padded so SDPA takes its causal path
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None
+        self._captured.clear()
+        final = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
+        self._captured.clear()
+        return Features(aux_hidden=aux, final_hidden=final)

@@ -1,0 +1,36 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The packaged SmolLM2-135M-Instruct, converted once to a cached HF directory."""
+    from models.target import resolve_target
+
+    return resolve_target("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from models.target import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_inputs(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama target directory (SmolLM2's tokenizer and chat template) and a short
+    messages-style JSONL of chats, for end-to-end train.py runs that take seconds."""
+    import json
+
+    from data.datasets import load_records
+    from tests.tiny import tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(vocab=len(smollm2_tokenizer), hidden=64, layers=4, heads=4, kv_heads=2)
+    model.save_pretrained(root / "target")
+    smollm2_tokenizer.save_pretrained(root / "target")
+    with open(root / "chats.jsonl", "w") as f:
+        for rec in load_records("sharegpt", limit=60):
+            msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:200]} for t in rec["conversations"][:4]]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return root / "target", root / "chats.jsonl"

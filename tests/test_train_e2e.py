@@ -1,0 +1,94 @@
+"""train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume,
+bad inputs fail clearly."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(out, target, data, nproc=1, extra=(), check=True):
+    args = [
+        "--target", str(target), "--data", str(data), "--out", str(out), "--num-records", "60",
+        "--holdout", "4", "--max-len", "64", "--batch-size", "4", "--draft-vocab-size", "512",
+        "--ttt-length", "3", "--lr", "1e-3", "--warmup", "2", "--no-progress", *extra,
+    ]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, "train.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def train_rows(out):
+    return [r for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if r["split"] == "train"]
+
+
+def final_params(out):
+    ck = Path(out) / "ckpt"
+    return load_file(ck / (ck / "latest").read_text().strip() / "draft.safetensors")
+
+
+def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "one", target, data, 1, ["--steps", "5"])
+    run_train(tmp_path / "two", target, data, 2, ["--steps", "5"])
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert len(one) == len(two) == 5
+    for a, b in zip(one, two):
+        for k in ("loss", "loss_0", "loss_2", "acc_0"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    assert one[-1]["loss"] != one[0]["loss"]  # it did train
+    p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    for k in p1:
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_resume_is_exact(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "full", target, data, 1, ["--steps", "6"])
+    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--stop-after", "3"])
+    assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "step_3"
+    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--resume"])
+    full, split = final_params(tmp_path / "full"), final_params(tmp_path / "split")
+    for k in full:
+        assert torch.equal(full[k], split[k]), k
+    assert [r["loss"] for r in train_rows(tmp_path / "split")] == [r["loss"] for r in train_rows(tmp_path / "full")]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--target", "/no/such/model"], "not found"),
+        (["--data", "/no/such/chats.jsonl"], "not found"),
+        (["--strategy", "medusa"], "unknown strategy 'medusa'"),
+    ],
+)
+def test_bad_inputs_fail_clearly(tmp_path, tiny_run_inputs, extra, message):
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "bad", target, data, 0, ["--steps", "1", *extra], check=False)  # plain python: torchrun adds its own traceback
+    assert p.returncode != 0
+    assert message in p.stderr + p.stdout
+    assert "Traceback" not in p.stderr
+
+
+def test_no_chat_template_fails_clearly(tmp_path, tiny_run_inputs):
+    import shutil
+
+    target, data = tiny_run_inputs
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    p = run_train(tmp_path / "bad", bare, data, 0, ["--steps", "1"], check=False)
+    assert p.returncode != 0 and "no chat template" in p.stderr + p.stdout

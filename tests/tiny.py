@@ -1,0 +1,27 @@
+"""Tiny random models and data for tests (no downloads)."""
+import torch
+
+from data.chat import Example
+
+
+def tiny_llama(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, seed=0, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+        tie_word_embeddings=False, **kw,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def random_examples(n, vocab, min_len=5, max_len=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        T = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (T,), generator=g).tolist()
+        mask = (torch.rand(T, generator=g) < 0.7).long().tolist()
+        out.append(Example(ids, mask))
+    return out

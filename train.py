@@ -1,0 +1,352 @@
+"""Train a speculative-decoding draft for a frozen target.
+
+    torchrun --nproc_per_node=N train.py --strategy eagle3 [--target DIR|FILE.gguf] [--data FILE] ...
+
+With no arguments it trains an EAGLE-3 draft for the packaged SmolLM2-135M-Instruct on the
+packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.json (config,
+versions, git commit, hardware, results), metrics.jsonl, tb/ (TensorBoard) and ckpt/step_N/.
+"""
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import tyro
+
+from data.chat import DataError
+from data.datasets import SHAREGPT, GlobalBatches, build_examples, collate, load_records, split_holdout
+from data.vocab import build_vocab_mapping, count_tokens
+from models.eagle3 import Eagle3Config, Eagle3Draft, init_from_target, local_counts, make_batch, param_count
+from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
+from runlog import RunLog, run_metadata
+
+STRATEGIES = ("eagle3",)
+
+
+@dataclass
+class TrainConfig:
+    strategy: str = "eagle3"
+    """draft family to train (one of: eagle3)"""
+    target: str = DEFAULT_TARGET
+    """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
+    data: str = SHAREGPT
+    """'sharegpt' (packaged) or a ShareGPT/messages-style .json/.jsonl/.parquet file or directory"""
+    num_records: int = 1200
+    """records read from the data (0 = all)"""
+    holdout: int = 48
+    """examples held out for the final evaluation"""
+    max_len: int = 512
+    """tokens per conversation; longer ones are truncated"""
+    draft_vocab_size: int = 8192
+    ttt_length: int = 7
+    aux_layers: tuple[int, ...] = ()
+    """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
+    batch_size: int = 8
+    """global batch in sequences (split over ranks)"""
+    steps: int = 60
+    """optimizer steps (0 = one epoch)"""
+    lr: float = 3e-3
+    warmup: int = 6
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    init_head_from_target: bool = True
+    """start lm_head/norm from the target's head restricted to the draft vocab"""
+    seed: int = 0
+    out: str = "runs/eagle3"
+    resume: bool = False
+    """continue from the latest checkpoint in --out"""
+    stop_after: int = 0
+    """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps"""
+    ckpt_every: int = 0
+    """save every N steps (0 = only at the end)"""
+    log_every: int = 1
+    eval_every: int = 0
+    """evaluate the held-out split every N steps (0 = at start and end only)"""
+    eval_batch_size: int = 8
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    progress: bool = True
+
+
+def init_distributed(device_kind: str):
+    if "RANK" not in os.environ:
+        return 0, 1, 0
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    if device_kind == "cpu":  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return rank, world, local
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warmup then cosine down to min_lr_ratio * lr."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        if cfg.strategy not in STRATEGIES:
+            raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        self.cfg = cfg
+        kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        self.rank, self.world, local = init_distributed(kind)
+        self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
+        if kind == "cuda":
+            torch.cuda.set_device(self.device)
+        # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
+        self.dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+        torch.manual_seed(cfg.seed)
+        self.out = Path(cfg.out)
+        self.log = RunLog(self.out, enabled=self.rank == 0)
+
+        target_dir = resolve_target(cfg.target) if self.rank == 0 else None
+        self.barrier()
+        target_dir = resolve_target(cfg.target)
+        self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(target_dir)
+        self._load_data()
+        self._build_draft()
+
+    def barrier(self):
+        if dist.is_initialized():
+            dist.barrier()
+
+    def print(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    def _load_data(self):
+        cfg, stats = self.cfg, Counter()
+        records = load_records(cfg.data, cfg.num_records or None)
+        examples = build_examples(records, self.tokenizer, cfg.max_len, stats)
+        self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
+        self.data_stats = dict(stats, records=len(records), train=len(self.train_set), holdout=len(self.eval_set))
+        self.print(f"[data] {cfg.data}: {json.dumps(self.data_stats)}")
+        self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
+        self.total_steps = cfg.steps or self.batches.per_epoch
+
+    def _build_draft(self):
+        cfg, t = self.cfg, self.target
+        counts = count_tokens(self.train_set, t.config.vocab_size)
+        d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
+        dcfg = Eagle3Config.from_target(t.config, cfg.draft_vocab_size, t.aux_layers)
+        draft = Eagle3Draft(dcfg)
+        draft.d2t.copy_(d2t)
+        draft.t2d.copy_(t2d)
+        if cfg.init_head_from_target:
+            init_from_target(draft, t.lm_head.weight.float().cpu(), t.model.model.norm.weight.float().cpu())
+        draft.to(self.device)
+        self.draft_config = dcfg
+        coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
+        self.print(f"[draft] {param_count(draft) / 1e6:.1f}M params, draft vocab {cfg.draft_vocab_size} covers {coverage:.1%} of trained tokens")
+        if self.world > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+            # ZeRO-2 style: parameters stay gathered between forward and backward
+            fully_shard(draft, reshard_after_forward=False, mp_policy=mp)
+        elif self.dtype != torch.float32:
+            draft.to(self.dtype)
+        self.draft = draft
+        decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
+
+    # ---- one batch -> TTT loss ----
+    def forward(self, examples, scale: float = 1.0, global_counts: bool = True):
+        """Target features -> EAGLE-3 batch -> TTT loss. With global_counts the per-step
+        normalisers are summed over ranks first, so every rank's loss is a share of one
+        global mean (scale=world undoes FSDP's gradient averaging)."""
+        b = {k: v.to(self.device) for k, v in collate(examples).items()}
+        feats = self.target(b["input_ids"], b["attention_mask"])
+        batch = make_batch(feats, b["input_ids"], b["loss_mask"], self.target.embed_tokens, self.target.lm_head, self.draft.draft_ids)
+        counts = local_counts(batch, self.draft.t2d, self.cfg.ttt_length)
+        if global_counts:
+            counts = all_sum(counts)
+        loss, stats = self.draft(batch, self.cfg.ttt_length, counts)
+        return loss * scale, stats, counts, int(b["attention_mask"].sum())
+
+    def metrics(self, stats, counts) -> dict:
+        loss_sum, correct = all_sum(stats["loss_sum"].clone()), all_sum(stats["correct"].clone().float())
+        out = {}
+        for k in range(self.cfg.ttt_length):
+            out[f"loss_{k}"] = (loss_sum[k] / counts[k, 1].clamp(min=1)).item()
+            out[f"acc_{k}"] = (correct[k] / counts[k, 0].clamp(min=1)).item()
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out acc_k / loss_k over all ranks (each takes every world-th batch)."""
+        K, bs = self.cfg.ttt_length, self.cfg.eval_batch_size
+        tot_loss, tot_correct, tot_counts = torch.zeros(K), torch.zeros(K), torch.zeros(K, 2)
+        # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
+        # past the end reruns its first batch with weight 0
+        n_iter = math.ceil(len(self.eval_set) / (bs * self.world))
+        for j in range(n_iter):
+            i = (j * self.world + self.rank) * bs
+            w = float(i < len(self.eval_set))
+            _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False)
+            tot_loss += w * stats["loss_sum"].float().cpu()
+            tot_correct += w * stats["correct"].float().cpu()
+            tot_counts += w * counts.float().cpu()
+        for x in (tot_loss, tot_correct, tot_counts):
+            all_sum(x)
+        out = {}
+        for k in range(K):
+            out[f"acc_{k}"] = (tot_correct[k] / tot_counts[k, 0].clamp(min=1)).item()
+            out[f"loss_{k}"] = (tot_loss[k] / tot_counts[k, 1].clamp(min=1)).item()
+        return out
+
+    # ---- checkpoints ----
+    def save(self, step: int):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
+        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rngs = [None] * self.world
+        if dist.is_initialized():
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        if self.rank == 0:
+            d = self.out / "ckpt" / f"step_{step}"
+            tmp = d.with_name(d.name + ".tmp")
+            tmp.mkdir(parents=True, exist_ok=True)
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in model_sd.items()}, tmp / "draft.safetensors")
+            (tmp / "config.json").write_text(json.dumps({"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}, indent=1))
+            torch.save({"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}, tmp / "train_state.pt")
+            if d.exists():
+                import shutil
+
+                shutil.rmtree(d)
+            tmp.rename(d)  # a checkpoint directory is complete or absent
+            (self.out / "ckpt" / "latest").write_text(d.name)
+        self.barrier()
+
+    def load(self) -> int:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        latest = self.out / "ckpt" / "latest"
+        if not latest.exists():
+            raise SystemExit(f"--resume: no checkpoint in {self.out / 'ckpt'}")
+        d = self.out / "ckpt" / latest.read_text().strip()
+        state = torch.load(d / "train_state.pt", weights_only=False)
+        model_sd = load_file(d / "draft.safetensors")
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_state_dict(self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
+        self.sched.load_state_dict(state["sched"])
+        if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
+            rng = state["rng"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
+        self.print(f"[resume] {d} at step {state['step']}")
+        return state["step"]
+
+    # ---- the loop ----
+    def train(self) -> dict:
+        cfg = self.cfg
+        start = self.load() if cfg.resume else 0
+        meta = run_metadata(cfg, world=self.world, device=self.device, extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)})
+        self.log.start(meta, resume=cfg.resume)
+        results = {}
+        if start == 0:
+            results["eval_start"] = self.evaluate()
+            self.print(f"[eval @0] {fmt(results['eval_start'])}")
+            self.log.write({"step": 0, "split": "eval", **results["eval_start"]})
+        bar = None
+        if cfg.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
+        t0, tokens = time.time(), 0
+        for step in range(start, self.total_steps):
+            idx = self.batches.indices(step, self.rank, self.world)
+            loss, stats, counts, ntok = self.forward([self.train_set[i] for i in idx], scale=float(self.world))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"non-finite loss at step {step}; parameters were not updated. Last good checkpoint: "
+                    f"{self.out / 'ckpt'} (lower --lr or check the data)"
+                )
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            tokens += ntok
+            if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
+                m = self.metrics(stats, counts)
+                m.update(loss=(all_sum(loss.detach().clone()) / self.world).item(), lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+                m["tokens_per_s"] = tokens * self.world / (time.time() - t0)
+                self.log.write({"step": step + 1, "split": "train", **m})
+                if bar:
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")
+            if bar:
+                bar.update(1)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps:
+                ev = self.evaluate()
+                self.log.write({"step": step + 1, "split": "eval", **ev})
+            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
+                self.save(step + 1)
+            if cfg.stop_after and step + 1 - start >= cfg.stop_after and step + 1 < self.total_steps:
+                if bar:
+                    bar.close()
+                self.save(step + 1)
+                self.print(f"[stop] after step {step + 1}; continue with --resume")
+                self.log.finish({"stopped_at": step + 1})
+                return {"stopped_at": step + 1}
+        if bar:
+            bar.close()
+        self.save(self.total_steps)
+        results["eval_end"] = self.evaluate()
+        results["train_seconds"] = time.time() - t0
+        self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
+        self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
+        self.log.finish(results)
+        return results
+
+
+def fmt(m: dict) -> str:
+    keys = sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))
+    return " ".join(f"{k}={m[k]:.3f}" for k in keys)
+
+
+def main(cfg: TrainConfig):
+    try:
+        trainer = Trainer(cfg)
+        res = trainer.train()
+    except (DataError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return res
+
+
+if __name__ == "__main__":
+    main(tyro.cli(TrainConfig))
