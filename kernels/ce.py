@@ -62,7 +62,7 @@ def _ce_fwd_kernel(
             if not HARD:
                 p = tl.load(t_ptr + row * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
                 psum += tl.sum(p, 0)
-                pz += tl.sum(tl.where(ok, p * z, 0.0), 0)
+                pz += tl.sum(p * tl.where(ok, z, 0.0), 0)  # (not p * z: 0 * -inf past V)
         if HARD:
             pz = tl.load(z_ptr + row * z_stride + label).to(tl.float32)
         lse = m + tl.log(s)
@@ -95,7 +95,7 @@ def _ce_bwd_kernel(
             p = tl.where(cols == label, 1.0, 0.0)
         else:
             p = tl.load(t_ptr + row * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
-        grad = tl.where(w != 0, w * (tl.exp(z - lse) * psum - p), 0.0)  # skipped rows: lse is 0
+        grad = w * (tl.exp(tl.minimum(z - lse, 0.0)) * psum - p)  # skipped rows: w = 0, lse = 0
         tl.store(z_ptr + row * z_stride + cols, grad.to(z_ptr.dtype.element_ty), mask=ok)
 
 

@@ -1,31 +1,50 @@
 """Cross-entropy kernels (Triton under TRITON_INTERPRET=1, and the plain-torch CPU path) and
 the fused linear + soft CE, against plain-torch references defined here.
 
-TRITON_INTERPRET is read when a kernel is decorated, so the fixture sets it and reloads
-kernels.ce; it restores the environment afterwards so later tests in the same session get
-the fast plain-torch CPU path again.
+The interpreter has to be on before triton itself is first imported (triton.language's own
+helpers such as tl.max are decorated at import), and in a shared pytest session torch.compile
+may import triton first. So the Triton-path tests run in a child pytest started with
+TRITON_INTERPRET=1 (test_triton_path_under_interpreter); this process runs the plain-torch
+path, which is what CPU training uses.
 """
-import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_triton_path_under_interpreter():
+    if INTERPRETED:
+        pytest.skip("already the interpreter child")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton", __file__]
+    r = subprocess.run(cmd, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    tail = r.stdout[-6000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) >= 20, tail
+
 
 @pytest.fixture(scope="module")
 def ce():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        import kernels.ce
+    import kernels.ce
 
-        mod = importlib.reload(kernels.ce)
-        assert type(mod._ce_fwd_kernel).__name__ == "InterpretedFunction"
-        yield mod
-    importlib.reload(kernels.ce)  # TRITON_INTERPRET unset again: plain kernels, torch path on CPU
+    return kernels.ce
 
 
 @pytest.fixture(params=["triton", "torch"])
 def impl(request, ce, monkeypatch):
-    if request.param == "torch":
+    if request.param == "triton":
+        if not INTERPRETED:
+            pytest.skip("runs in the TRITON_INTERPRET=1 child (test_triton_path_under_interpreter)")
+        assert type(ce._ce_fwd_kernel).__name__ == "InterpretedFunction"
+    else:
         monkeypatch.setattr(ce, "_use_triton", lambda x: False)
     return request.param
 

@@ -1,0 +1,285 @@
+"""Kernel benchmarks for one GPU (written for an H200; torch >= 2.11, triton >= 3.6).
+
+    python experiments/bench_kernels.py                  # all benches, H200 shapes
+    python experiments/bench_kernels.py --only ce --seqs 4096
+    python experiments/bench_kernels.py --smoke          # tiny shapes on CPU: checks the script runs
+
+What is measured (bf16, batch 1, EAGLE-3 draft of a Llama-8B-like target: hidden 4096,
+32 query / 8 kv heads, head dim 128):
+  ttt_attention  the whole TTT unroll, fwd + bwd: step s = 0..n-1 attends over s+1 key sets
+                 (n = --ttts), impls eager (materialised logits) / lse (fused causal SDPA +
+                 log-sum-exp merge) / flex (compiled flex_attention with the TTT block mask)
+  ce             soft-target cross-entropy fwd + bwd on [seq, vocab] bf16 logits:
+                 eager torch (fp32 log-softmax) vs the Triton kernel (in-place backward)
+  head_ce        draft head (hidden @ W^T, W [vocab, 4096]) + soft CE, fwd + bwd:
+                 eager vs matmul + Triton CE vs fused linear-CE (row chunks)
+Time: median of triton.testing.do_bench (warm-up included, compile excluded by a first call).
+Memory: peak_gib = torch.cuda.max_memory_allocated() during one fwd + bwd minus what was
+allocated before it (inputs); peak_abs_gib includes the inputs. OOM is caught and recorded.
+Correctness: each impl is compared with eager once per shape family at a small size
+(--check-seq); check_err = max |impl - eager| / max |eager| over outputs and gradients.
+Every measurement prints a table row and appends one JSON line to --out.
+The end-to-end draft-step benchmark lives elsewhere.
+"""
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter) to test the script")
+    ap.add_argument("--only", nargs="*", choices=["attn", "ce", "head"], default=["attn", "ce", "head"])
+    ap.add_argument("--seqs", nargs="*", type=int, default=None, help="default 2048 4096 8192")
+    ap.add_argument("--ttts", nargs="*", type=int, default=None, help="TTT steps, default 1 3 7")
+    ap.add_argument("--vocabs", nargs="*", type=int, default=None, help="CE vocabularies, default 32000 64000")
+    ap.add_argument("--head-vocab", type=int, default=None, help="default 32000")
+    ap.add_argument("--attn-impls", nargs="*", default=["eager", "lse", "flex"])
+    ap.add_argument("--check-seq", type=int, default=None, help="size of the correctness check, default 1024")
+    ap.add_argument("--out", type=Path, default=None, help="JSONL to append to")
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.smoke:  # before triton is imported anywhere: CE kernels run in the interpreter on CPU
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+    import triton.testing
+
+    from kernels.ce import soft_cross_entropy
+    from kernels.fused_ce import fused_linear_soft_ce
+    from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --smoke for a CPU dry run")
+    dev = "cpu" if smoke else "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16  # bf16 matmuls are emulated on CPU
+    H, HQ, HKV, D = (64, 4, 2, 16) if smoke else (4096, 32, 8, 128)
+    seqs = args.seqs or ([64, 130] if smoke else [2048, 4096, 8192])
+    ttts = args.ttts or ([1, 3] if smoke else [1, 3, 7])
+    vocabs = args.vocabs or ([300] if smoke else [32000, 64000])
+    head_vocab = args.head_vocab or (300 if smoke else 32000)
+    check_seq = args.check_seq or (48 if smoke else 1024)
+    out_path = args.out or (Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    # flex_attention_compiled uses dynamic=False: one graph per (seq, k); dynamo's default limit
+    # of 8 recompiles would silently fall back to eager flex (dense scores) past that.
+    cfg = torch._dynamo.config
+    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 256)
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = dict(
+        gpu=torch.cuda.get_device_name() if dev == "cuda" else f"cpu:{platform.processor() or platform.machine()}",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit,
+        smoke=smoke,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    rows = []
+
+    def record(**r):
+        r = {**r, **meta}
+        rows.append(r)
+        with out_path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        ms = "OOM" if r.get("oom") else f"{r['ms']:.3f}"
+        pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        chk = "-" if r.get("check_err") is None else f"{r['check_err']:.1e}" + (" !!" if r["check_err"] > 0.05 else "")
+        print(f"{r['name']:<14} {r['impl']:<14} seq={r['seq']:<6} ttt={str(r['ttt']):<4} vocab={str(r['vocab']):<6} "
+              f"{ms:>10} ms  peak {pk:>7} GiB  check {chk}", flush=True)
+
+    def measure(fn):
+        """(median ms, peak GiB above the inputs, absolute peak GiB); fn is called once first
+        so that compilation and autotuning stay out of both numbers."""
+        fn()
+        if dev == "cpu":
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times), None, None
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return ms, (peak - base) / 2**30, peak / 2**30
+
+    def rel_err(got, want):
+        num = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
+        den = max(w.float().abs().max().item() for w in want)
+        return num / max(den, 1e-12)
+
+    def run_case(name, impl, make_fn, check, **fields):
+        """make_fn() -> fn (allocates inputs); check() -> relative error vs eager (or None)."""
+        fn = None
+        try:
+            err = check() if check is not None else None
+            fn = make_fn()
+            ms, peak, peak_abs = measure(fn)
+            record(name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields)
+        except torch.OutOfMemoryError:
+            record(name=name, impl=impl, ms=None, peak_gib=None, peak_abs_gib=None, check_err=None, oom=True, **fields)
+        finally:
+            del fn
+            gc.collect()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+
+    def randn(*shape, seed, scale=1.0, grad=False):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dtype).requires_grad_(grad)
+
+    # ----------------------------------------------------------------------- TTT attention
+    attn_impls = {
+        "eager": ttt_attention_eager,
+        "lse": ttt_attention_lse,
+        # flex has no backward on CPU: the smoke run times eager flex forward only
+        "flex": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False)),
+    }
+    fwd_only = {"flex": smoke}
+
+    def attn_inputs(seq, n):
+        qs = [randn(1, HQ, seq, D, seed=100 + s, grad=True) for s in range(n)]
+        ks = [randn(1, HKV, seq, D, seed=200 + s, grad=True) for s in range(n)]
+        vs = [randn(1, HKV, seq, D, seed=300 + s, grad=True) for s in range(n)]
+        douts = [randn(1, HQ, seq, D, seed=400 + s) for s in range(n)]
+        return qs, ks, vs, douts
+
+    def attn_step(impl, inputs, backward=True):
+        """The TTT unroll: step s attends over key/value sets 0..s; returns outputs (+ grads)."""
+        qs, ks, vs, douts = inputs
+        fn = attn_impls[impl]
+        with torch.set_grad_enabled(backward):
+            outs = [fn(qs[s], ks[: s + 1], vs[: s + 1]) for s in range(len(qs))]
+        if not backward:
+            return outs
+        return outs + list(torch.autograd.grad(outs, qs + ks + vs, douts))
+
+    if "attn" in args.only:
+        for n in ttts:
+            for impl in args.attn_impls:
+                bwd = not fwd_only.get(impl, False)
+
+                def check(impl=impl, n=n, bwd=bwd):
+                    if impl == "eager":
+                        return None
+                    inputs = attn_inputs(check_seq, n)
+                    return rel_err(attn_step(impl, inputs, bwd), attn_step("eager", inputs, bwd))
+
+                checked = False
+                for seq in seqs:
+                    def make(impl=impl, seq=seq, n=n, bwd=bwd):
+                        inputs = attn_inputs(seq, n)
+                        return lambda: attn_step(impl, inputs, bwd)
+
+                    run_case("ttt_attention", impl, make, None if checked else check,
+                             seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
+                    checked = True
+
+    # ----------------------------------------------------------------------- cross-entropy
+    def eager_soft_ce(z, p, mask):
+        return (mask * -(p.float() * torch.log_softmax(z.float(), -1)).sum(-1)).sum()
+
+    ce_impls = {"eager": eager_soft_ce, "triton": soft_cross_entropy}
+
+    def targets(N, V):
+        """soft targets p [N, V] and a mask with ~10% of rows off (prompt tokens, padding)."""
+        p = torch.softmax(randn(N, V, seed=2, scale=2.0).float(), -1).to(dtype)
+        mask = (torch.rand(N, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) > 0.1).float()
+        return p, mask
+
+    def ce_inputs(N, V):
+        return randn(N, V, seed=1, scale=3.0, grad=True), *targets(N, V)
+
+    def ce_step(impl, z, p, mask):
+        # autograd.grad, not backward: a leaf's AccumulateGrad would clone the in-place gradient
+        loss = ce_impls[impl](z, p, mask)
+        return [loss, *torch.autograd.grad(loss, [z])]
+
+    if "ce" in args.only:
+        for V in vocabs:
+            for impl in ce_impls:
+                def check(impl=impl, V=V):
+                    if impl == "eager":
+                        return None
+                    z, p, mask = ce_inputs(check_seq, V)
+                    want = ce_step("eager", z, p, mask)
+                    return rel_err(ce_step(impl, z.detach().clone().requires_grad_(), p, mask), want)
+
+                for i, seq in enumerate(seqs):
+                    def make(impl=impl, seq=seq, V=V):
+                        z, p, mask = ce_inputs(seq, V)
+                        return lambda: ce_step(impl, z, p, mask)
+
+                    run_case("ce", impl, make, check if i == 0 else None, seq=seq, ttt=None, vocab=V, fwd_only=False)
+
+    # ----------------------------------------------------------------------- head + CE
+    def head_step(impl, h, W, p, mask):
+        if impl == "fused":
+            loss, _ = fused_linear_soft_ce(h, W, p, mask)
+        else:
+            logits = h @ W.T
+            loss = eager_soft_ce(logits, p, mask) if impl == "eager" else soft_cross_entropy(logits, p, mask)
+        return [loss, *torch.autograd.grad(loss, [h, W])]
+
+    def head_inputs(N, V):
+        h = randn(N, H, seed=4, grad=True)
+        W = randn(V, H, seed=5, scale=1 / math.sqrt(H), grad=True)
+        return h, W, *targets(N, V)
+
+    if "head" in args.only:
+        V = head_vocab
+        for impl in ["eager", "matmul+triton", "fused"]:
+            def check(impl=impl):
+                if impl == "eager":
+                    return None
+                inputs = head_inputs(check_seq, V)
+                return rel_err(head_step(impl, *inputs), head_step("eager", *inputs))
+
+            for i, seq in enumerate(seqs):
+                def make(impl=impl, seq=seq):
+                    inputs = head_inputs(seq, V)
+                    return lambda: head_step(impl, *inputs)
+
+                run_case("head_ce", impl, make, check if i == 0 else None, seq=seq, ttt=None, vocab=V, fwd_only=False)
+
+    # ----------------------------------------------------------------------- summary
+    print(f"\n{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  -> {out_path}")
+    print(f"{'name':<14} {'impl':<14} {'seq':>6} {'ttt':>4} {'vocab':>6} {'ms':>10} {'peak GiB':>9} {'check':>8}")
+    for r in rows:
+        ms = "OOM" if r["oom"] else f"{r['ms']:.3f}"
+        pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        chk = "-" if r["check_err"] is None else f"{r['check_err']:.1e}"
+        print(f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
+              f"{ms:>10} {pk:>9} {chk:>8}")
+
+
+if __name__ == "__main__":
+    main()
