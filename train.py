@@ -22,7 +22,7 @@ import tyro
 from data.chat import DataError
 from data.datasets import SHAREGPT, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.vocab import build_vocab_mapping, count_tokens
-from models.eagle3 import Eagle3Config, Eagle3Draft, init_from_target, local_counts, make_batch, param_count
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
 from runlog import RunLog, run_metadata
 
@@ -56,8 +56,6 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 0.5
-    init_head_from_target: bool = True
-    """start lm_head/norm from the target's head restricted to the draft vocab"""
     seed: int = 0
     out: str = "runs/eagle3"
     resume: bool = False
@@ -150,8 +148,6 @@ class Trainer:
         draft = Eagle3Draft(dcfg)
         draft.d2t.copy_(d2t)
         draft.t2d.copy_(t2d)
-        if cfg.init_head_from_target:
-            init_from_target(draft, t.lm_head.weight.float().cpu(), t.model.model.norm.weight.float().cpu())
         draft.to(self.device)
         self.draft_config = dcfg
         coverage = counts[t2d].sum().item() / max(1, counts.sum().item())

@@ -276,14 +276,6 @@ def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
     return torch.stack([torch.stack([a.sum(), l.sum()]) for a, l in step_masks(batch, t2d, ttt_length)])
 
 
-def init_from_target(draft: Eagle3Draft, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor):
-    """Start the draft head as the target's head restricted to the draft vocab: the draft then
-    only has to learn to produce target-like final hidden states (faster early learning)."""
-    with torch.no_grad():
-        draft.lm_head.weight.copy_(lm_head_weight[draft.draft_ids])
-        draft.norm.weight.copy_(final_norm_weight)
-
-
 def param_count(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
