@@ -9,10 +9,19 @@ of position i; no other position's proposals are visible to it.
 Shapes: q_BHTD [B, Hq, T, D] (rope applied); ks/vs: lists of k+1 tensors [B, Hkv, T, D],
 step 0 first. GQA: Hq = g * Hkv. Right padding needs no extra mask: a valid query never
 reaches a padded key through the causal part, and diagonal keys sit at its own position.
+
+Three implementations, one contract (out [B, Hq, T, D]):
+  ttt_attention_eager  reference; materialises [T, T + k] probabilities
+  ttt_attention_lse    fused causal SDPA + k diagonal terms merged by log-sum-exp, custom
+                       backward; O(T) extra memory, trains on CPU and GPU
+  ttt_attention_flex   one flex_attention call over concatenated keys with the TTT block mask;
+                       forward-only on CPU (flex has no CPU backward)
 """
 import math
 
 import torch
+
+from kernels.masks import BlockMask, flex_attention_compiled, flex_attention_eager, ttt_mask
 
 
 def _expand_kv(x_BHTD: torch.Tensor, groups: int) -> torch.Tensor:
@@ -164,10 +173,6 @@ def ttt_attention_lse(q, ks, vs):
 # The BlockMask is built from that known block structure (no dense [T, (k+1)T] mask is ever
 # evaluated); without lengths it depends only on (Tp, k, device) and is cached.
 # ---------------------------------------------------------------------------------------------
-import functools  # noqa: E402
-
-from kernels.masks import BlockMask, flex_attention_compiled, flex_attention_eager, ttt_mask  # noqa: E402
-
 FLEX_BLOCK = 128
 
 
@@ -208,9 +213,16 @@ def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block:
     )
 
 
-@functools.lru_cache(maxsize=64)
+_BLOCK_MASKS: dict = {}  # (Tp, k, device) -> BlockMask, for calls without lengths
+
+
 def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device) -> BlockMask:
-    return ttt_block_mask(Tp, k, None, device)
+    if torch.compiler.is_compiling():  # inside a compiled step: built once, in the graph
+        return ttt_block_mask(Tp, k, None, device)
+    key = (Tp, k, str(device))
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = ttt_block_mask(Tp, k, None, device)
+    return _BLOCK_MASKS[key]
 
 
 def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compiled: bool = True):
