@@ -22,7 +22,7 @@ import tyro
 from data.chat import DataError
 from data.datasets import SHAREGPT, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.vocab import build_vocab_mapping, count_tokens
-from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
+from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
 from runlog import RunLog, run_metadata
 
@@ -68,6 +68,10 @@ class TrainConfig:
     eval_every: int = 0
     """evaluate the held-out split every N steps (0 = at start and end only)"""
     eval_batch_size: int = 8
+    attention: str = "auto"
+    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU); auto = flex on GPU, lse on CPU"""
+    loss: str = "auto"
+    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = fused on GPU, torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
     progress: bool = True
@@ -102,8 +106,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         if cfg.strategy not in STRATEGIES:
             raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-        self.cfg = cfg
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "fused" if kind == "cuda" else "torch"}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
+        if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
+            raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
+        if kind == "cpu" and cfg.attention == "flex":
+            raise SystemExit("--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager")
+        self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
         if kind == "cuda":
@@ -180,7 +190,7 @@ class Trainer:
         counts = local_counts(batch, self.draft.t2d, self.cfg.ttt_length)
         if global_counts:
             counts = all_sum(counts)
-        loss, stats = self.draft(batch, self.cfg.ttt_length, counts)
+        loss, stats = self.draft(batch, self.cfg.ttt_length, counts, attention=self.cfg.attention, loss=self.cfg.loss)
         return loss * scale, stats, counts, int(b["attention_mask"].sum())
 
     def metrics(self, stats, counts) -> dict:

@@ -24,7 +24,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from data.vocab import draft_to_target
-from kernels.ttt_attention import ttt_attention_eager
+from kernels.ce import soft_cross_entropy
+from kernels.fused_ce import fused_linear_soft_ce
+from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+
+# TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
+# [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
+# (runs on CPU, has a backward there); flex = one FlexAttention call with the TTT BlockMask
+# (GPU; no flex backward on CPU).
+ATTENTION = {"eager": ttt_attention_eager, "lse": ttt_attention_lse, "flex": ttt_attention_flex}
+# head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
+# Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
+# chunked linear + CE, the [rows, Vd] logits never exist at once.
+LOSSES = ("torch", "triton", "fused")
 
 
 @dataclass
@@ -194,11 +206,12 @@ class Eagle3Draft(nn.Module):
         return self.finish(out, hidden_BTH), (k, v)
 
     # ---- training: the TTT unroll ----
-    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention=ttt_attention_eager):
+    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch"):
         """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
         loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
         the global batch whatever the rank split. Returns the weighted loss and detached per-step
         sums {loss_sum, correct} for logging."""
+        attend = ATTENTION[attention]
         B, T, _ = batch.embeds.shape
         positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
         masks = step_masks(batch, self.t2d, ttt_length)
@@ -211,19 +224,30 @@ class Eagle3Draft(nn.Module):
             q, kk, vv = self.qkv(emb, hidden, positions + k)
             ks.append(kk)
             vs.append(vv)
-            hidden = self.finish(attention(q, ks, vs), hidden)
+            hidden = self.finish(attend(q, ks, vs), hidden)
             acc_mask, loss_mask = masks[k]
-            rows = acc_mask.reshape(-1).nonzero().squeeze(1)  # compute the head only where trained
-            logits = self.logits(hidden.reshape(B * T, -1)[rows]).float()
+            rows = acc_mask.reshape(-1).nonzero().squeeze(1)  # the head runs only where trained
             p = _shift(batch.target_p, 1 + k).reshape(B * T, -1)[rows]
-            lmask = loss_mask.reshape(-1)[rows]
-            ce = -(p * logits.log_softmax(-1)).sum(-1)
-            loss_sum = (ce * lmask).sum()
+            loss_sum, top_draft = self.head_loss(hidden.reshape(B * T, -1)[rows], p, loss_mask.reshape(-1)[rows], loss)
             total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
             top = _shift(batch.target_top, 1 + k).reshape(-1)[rows]
             loss_sums.append(loss_sum.detach())
-            correct.append((draft_ids[logits.argmax(-1)] == top).sum())
+            # rows the loss skips (target top token outside the draft vocab) report argmax -1
+            # from the kernels; the draft cannot be right there anyway
+            correct.append(((top_draft >= 0) & (draft_ids[top_draft.clamp(min=0)] == top)).sum())
         return total, {"loss_sum": torch.stack(loss_sums), "correct": torch.stack(correct)}
+
+    def head_loss(self, hidden_NH, p_NV, mask_N, impl: str):
+        """Σ mask · H(p, softmax(lm_head(norm(h)))) and the draft's argmax per row."""
+        h = self.norm(hidden_NH)
+        if impl == "fused":
+            return fused_linear_soft_ce(h, self.lm_head.weight, p_NV.to(h.dtype), mask_N)
+        logits = self.lm_head(h)
+        if impl == "triton":
+            return soft_cross_entropy(logits, p_NV.to(logits.dtype), mask_N, return_argmax=True)
+        logits = logits.float()
+        ce = -(p_NV * logits.log_softmax(-1)).sum(-1)
+        return (ce * mask_N).sum(), logits.argmax(-1)
 
     @property
     def draft_ids(self) -> torch.Tensor:

@@ -74,3 +74,36 @@ def test_ttt_matches_brute_force(seed):
     assert torch.equal(stats["correct"].float(), ref_correct)
     for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _loss_and_grads(draft, batch, ttt, attention, loss):
+    counts = local_counts(batch, draft.t2d, ttt)
+    total, stats = draft(batch, ttt, counts, attention=attention, loss=loss)
+    return total, stats, torch.autograd.grad(total, list(draft.parameters()))
+
+
+@pytest.mark.parametrize("attention,loss", [("lse", "torch"), ("eager", "triton"), ("eager", "fused"), ("lse", "fused")])
+def test_every_path_matches_reference(attention, loss):
+    draft, batch, _, ttt = setup(seed=2)
+    ref_total, ref_stats, ref_grads = _loss_and_grads(draft, batch, ttt, "eager", "torch")
+    total, stats, grads = _loss_and_grads(draft, batch, ttt, attention, loss)
+    torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["loss_sum"], ref_stats["loss_sum"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(stats["correct"], ref_stats["correct"])
+    for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward and Triton need a GPU")
+@pytest.mark.parametrize("attention,loss", [("flex", "torch"), ("flex", "triton"), ("flex", "fused"), ("lse", "fused")])
+def test_every_path_matches_reference_cuda(attention, loss):
+    draft, batch, _, ttt = setup(seed=2)
+    draft = draft.cuda()
+    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
+    ref_total, ref_stats, ref_grads = _loss_and_grads(draft, batch, ttt, "eager", "torch")
+    total, stats, grads = _loss_and_grads(draft, batch, ttt, attention, loss)
+    torch.testing.assert_close(total, ref_total, rtol=1e-4, atol=1e-5)
+    assert torch.equal(stats["correct"], ref_stats["correct"])
+    for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-5, msg=name)
