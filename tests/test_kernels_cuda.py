@@ -163,11 +163,12 @@ def test_hard_ce_gpu(dtype):
 
 
 def test_soft_ce_under_compile():
-    """The draft step is compiled whole: the user-defined Triton kernels must trace."""
+    """Inside a compiled function the CE op is excluded from the graph (inductor's functionalised
+    in-place backward was wrong on torch 2.11) and stays exact."""
     ce = _ce_module()
     logits, p, mask = _ce_data(300, 5000, torch.bfloat16)
     leaf, ref_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    f = torch.compile(lambda z, p, m: ce.soft_cross_entropy(z * 1, p, m), fullgraph=True)
+    f = torch.compile(lambda z, p, m: ce.soft_cross_entropy(z * 1, p, m))
     loss = f(leaf, p, mask)
     loss.backward()
     want = _ref_soft(ref_leaf, p, mask)
@@ -187,7 +188,7 @@ def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
     weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
     _, p, mask = _ce_data(N, V, dtype, seed=4)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    h2, w2 = hidden.float().requires_grad_(), weight.float().requires_grad_()  # fp32 truth
+    h2, w2 = hidden.float().clone().requires_grad_(), weight.float().clone().requires_grad_()  # fp32 truth (clone: .float() aliases fp32 inputs)
     h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()  # eager, same dtype
     loss, argmax = fused_linear_soft_ce(h1, w1, p, mask, chunk_size=chunk)
     loss.backward()
