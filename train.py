@@ -21,6 +21,7 @@ import tyro
 
 from data.chat import DataError
 from data.datasets import SHAREGPT, GlobalBatches, build_examples, collate, load_records, split_holdout
+from data.feature_store import batch_features, open_for_training
 from data.vocab import build_vocab_mapping, count_tokens
 from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
@@ -37,6 +38,9 @@ class TrainConfig:
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
     data: str = SHAREGPT
     """'sharegpt' (packaged) or a ShareGPT/messages-style .json/.jsonl/.parquet file or directory"""
+    features: str = ""
+    """offline: train from a FeatureStore written by `capture.py features` (no target forward; only the
+    target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""
     num_records: int = 1200
     """records read from the data (0 = all)"""
     holdout: int = 48
@@ -71,7 +75,7 @@ class TrainConfig:
     attention: str = "auto"
     """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU); auto = flex on GPU, lse on CPU"""
     loss: str = "auto"
-    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = fused on GPU, torch on CPU"""
+    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
     progress: bool = True
@@ -107,7 +111,7 @@ class Trainer:
         if cfg.strategy not in STRATEGIES:
             raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-        auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "fused" if kind == "cuda" else "torch"}
+        auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
         if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
             raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
@@ -127,7 +131,11 @@ class Trainer:
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
-        self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
+        self.store = None
+        if cfg.features:
+            self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
+        else:
+            self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
         self._load_data()
         self._build_draft()
@@ -142,11 +150,15 @@ class Trainer:
 
     def _load_data(self):
         cfg, stats = self.cfg, Counter()
-        records = load_records(cfg.data, cfg.num_records or None)
-        examples = build_examples(records, self.tokenizer, cfg.max_len, stats)
+        if self.store is not None:  # tokenized at capture time, exactly as below
+            examples, n_records = self._stored, self.store.schema["data"]["records"]
+            stats.update(self.store.schema["data"]["stats"])
+        else:
+            records = load_records(cfg.data, cfg.num_records or None)
+            examples, n_records = build_examples(records, self.tokenizer, cfg.max_len, stats), len(records)
         self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
-        self.data_stats = dict(stats, records=len(records), train=len(self.train_set), holdout=len(self.eval_set))
-        self.print(f"[data] {cfg.data}: {json.dumps(self.data_stats)}")
+        self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
+        self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
         self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = cfg.steps or self.batches.per_epoch
 
@@ -185,7 +197,10 @@ class Trainer:
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging)."""
         b = {k: v.to(self.device) for k, v in collate(examples).items()}
-        feats = self.target(b["input_ids"], b["attention_mask"])
+        if self.store is None:
+            feats = self.target(b["input_ids"], b["attention_mask"])
+        else:
+            feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype)
         batch = make_batch(feats, b["input_ids"], b["loss_mask"], self.target.embed_tokens, self.target.lm_head, self.draft.draft_ids)
         counts = local_counts(batch, self.draft.t2d, self.cfg.ttt_length)
         if global_counts:
