@@ -361,7 +361,7 @@ def main(cfg: TrainConfig):
     try:
         trainer = Trainer(cfg)
         res = trainer.train()
-    except (DataError, FileNotFoundError) as e:
+    except (DataError, FileNotFoundError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
         if dist.is_initialized():

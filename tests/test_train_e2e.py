@@ -92,3 +92,20 @@ def test_no_chat_template_fails_clearly(tmp_path, tiny_run_inputs):
     (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
     p = run_train(tmp_path / "bad", bare, data, 0, ["--steps", "1"], check=False)
     assert p.returncode != 0 and "no chat template" in p.stderr + p.stdout
+
+
+def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
+    import shutil
+
+    from safetensors.torch import load_file as load, save_file
+
+    target, data = tiny_run_inputs
+    bad = tmp_path / "nan_target"
+    shutil.copytree(target, bad)
+    weights = load(bad / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")  # final hidden -> NaN target distribution
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    p = run_train(tmp_path / "nan", bad, data, 0, ["--steps", "2"], check=False)
+    assert p.returncode != 0
+    assert "non-finite loss at step 0" in p.stderr + p.stdout and "Traceback" not in p.stderr
+    assert not (tmp_path / "nan" / "ckpt").exists()
