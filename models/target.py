@@ -130,3 +130,72 @@ class Target(nn.Module):
         aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
         self._captured.clear()
         return Features(aux_hidden=aux, final_hidden=final)
+
+
+def fingerprint(path: Path) -> str:
+    """Identity of a target directory: config.json plus the size and the first and last MiB of
+    every weight file (cheap; tells apart fine-tunes of one architecture)."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+class TargetHeads(nn.Module):
+    """The frozen pieces of a target that training from stored features needs: the input
+    embeddings and the lm_head (stored final hidden states are already normed). No forward."""
+
+    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, aux_layers, path: Path):
+        super().__init__()
+        self.config, self.path, self.aux_layers = config, path, list(aux_layers)
+        self.embed_tokens, self.lm_head = embed_tokens.requires_grad_(False), lm_head.requires_grad_(False)
+
+
+def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHeads:
+    """Embeddings and lm_head of a target without its decoder layers: the model is built on the
+    meta device (to learn the modules and their checkpoint names), then only those tensors are
+    read from the safetensors files. Falls back to loading the whole model when the checkpoint
+    names differ from the module names or the modules hold buffers."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_target(str(spec))
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    index = path / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else None
+
+    def read(param):
+        for n in names[id(param)]:
+            f = (path / files[n]) if files is not None and n in files else path / "model.safetensors"
+            if f.exists():
+                with safe_open(str(f), "pt") as st:
+                    if n in st.keys():
+                        return st.get_tensor(n)
+        return None
+
+    tensors = [read(m.weight) for m in (embed, head)]
+    extra = [x for m in (embed, head) for x in (*m.buffers(), getattr(m, "bias", None)) if x is not None]
+    if any(t is None for t in tensors) or extra:
+        full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return TargetHeads(config, full.get_input_embeddings(), full.get_output_embeddings(), aux_layers, path)
+    mods = []
+    for m, t in zip((embed, head), tensors):
+        m = m.to_empty(device=device)
+        with torch.no_grad():
+            m.weight.copy_(t)
+        mods.append(m)
+    return TargetHeads(config, mods[0], mods[1], aux_layers, path)

@@ -1,0 +1,501 @@
+"""Run the frozen target over a dataset, offline.
+
+    torchrun --nproc_per_node=N capture.py features --target T --data D --out DIR
+    python capture.py regenerate --target T --data D --out FILE.jsonl [--temperature 0.8]
+
+features    Tokenizes D exactly as train.py does (same --num-records / --max-len, so sample id i
+            is train.py's example i; train.py applies --holdout to the ids), runs the target and
+            stores per sample input_ids, loss_mask, the aux-layer hidden states and the final
+            (normed) hidden state in a FeatureStore (data/feature_store.py) in --dtype. Logits
+            are not stored: train.py recomputes them with the frozen lm_head. Samples are packed
+            into shards of ~--shard-mb by a plan that depends only on the sample lengths; rank r
+            of W captures shards r, r+W, ...; a rerun skips shards already in the store.
+            Train from it with `train.py --features DIR` (no target forward).
+regenerate  The target writes new assistant turns: every assistant turn is regenerated from the
+            conversation so far, whose earlier assistant turns are the regenerated ones. Greedy
+            (--temperature 0) or sampled with --seed. Output: one JSON line per conversation
+            {id, messages, ...} appended as batches finish (rerun to resume: done ids are
+            skipped), FILE.dropped.jsonl for conversations the target could not continue, and
+            FILE.provenance.json (model, settings, source, counts, dates, versions).
+"""
+import gzip
+import json
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from data.chat import DataError, to_messages
+from data.datasets import SHAREGPT, build_examples, collate, load_records
+from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
+from models.target import DEFAULT_TARGET, Target, fingerprint, load_tokenizer, resolve_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
+    return kind, DTYPES["bf16" if kind == "cuda" else "fp32"] if dtype == "auto" else DTYPES[dtype]
+
+
+# ====================================================================== features
+@dataclass
+class FeaturesConfig:
+    target: str = DEFAULT_TARGET
+    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
+    data: str = SHAREGPT
+    """as train.py --data"""
+    num_records: int = 1200
+    """as train.py --num-records (0 = all)"""
+    max_len: int = 512
+    """as train.py --max-len"""
+    aux_layers: tuple[int, ...] = ()
+    """as train.py --aux-layers (default [1, L//2-1, L-4])"""
+    out: str = "runs/features"
+    """FeatureStore directory (local or shared by several nodes)"""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32: the target runs and features are stored in it"""
+    shard_mb: int = 256
+    """approximate shard size"""
+    batch_tokens: int = 32768
+    """padded tokens per target forward"""
+    time_limit: float = 0
+    """seconds; stop cleanly (after a shard) before exceeding it; rerun to resume (0 = none)"""
+    device: str = "auto"
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped longest first into batches of at most batch_tokens padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + [cur] if cur else out
+
+
+@torch.no_grad()
+def capture_examples(target: Target, examples, batch_tokens: int, device) -> dict[str, torch.Tensor]:
+    """Run the target over examples; returns the shard tensors with samples packed along dim 0
+    in the given order: input_ids/loss_mask [N], aux_hidden [N, n_aux*H], final_hidden [N, H]."""
+    lengths = [len(e.input_ids) for e in examples]
+    aux, fin = [None] * len(examples), [None] * len(examples)
+    for batch in length_batches(lengths, batch_tokens):
+        b = collate([examples[i] for i in batch])
+        f = target(b["input_ids"].to(device), b["attention_mask"].to(device))
+        a, h = f.aux_hidden.cpu(), f.final_hidden.cpu()  # one copy per batch
+        for j, i in enumerate(batch):
+            aux[i], fin[i] = a[j, : lengths[i]], h[j, : lengths[i]]
+    return {
+        "input_ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),
+        "aux_hidden": torch.cat(aux),
+        "final_hidden": torch.cat(fin),
+    }
+
+
+def target_identity(target) -> dict:
+    """What makes features comparable: the weights (fingerprint) and the shape, not the path."""
+    c = target.config
+    fp = fingerprint(target.path) if target.path is not None else "unsaved"
+    return {"fingerprint": fp, "model_type": c.model_type, "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+
+
+def features(cfg: FeaturesConfig) -> dict:
+    import torch.distributed as dist
+
+    from runlog import run_metadata
+    from train import all_sum, init_distributed
+
+    kind, dtype = pick_device(cfg.device, cfg.dtype)
+    t_start = time.time()
+    rank, world, local = init_distributed(kind)
+    device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        torch.cuda.set_device(device)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    try:
+        if rank == 0:
+            resolve_target(cfg.target)  # a GGUF is converted once, by rank 0
+        if dist.is_initialized():
+            dist.barrier()
+        target_dir = resolve_target(cfg.target)
+        tokenizer = load_tokenizer(target_dir)
+        stats = Counter()
+        records = load_records(cfg.data, cfg.num_records or None)
+        examples = build_examples(records, tokenizer, cfg.max_len, stats)
+        target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
+        H = target.config.hidden_size
+        bytes_per_token = (len(target.aux_layers) + 1) * H * dtype.itemsize + 4 + 1
+        data = {"data": cfg.data, "num_records": cfg.num_records, "records": len(records), "max_len": cfg.max_len,
+                "num_examples": len(examples), "tokens_sha": tokens_digest(examples), "stats": dict(stats)}
+        schema = feature_schema(target_identity(target), target.aux_layers, H, dtype, data)
+        schema["shard_tokens"] = max(1, cfg.shard_mb * 2**20 // bytes_per_token)
+        store = FeatureStore(cfg.out, schema, writer=f"{socket.gethostname()}-rank{rank}")
+        store.clean_temps()
+        plan = plan_shards([len(e.input_ids) for e in examples], schema["shard_tokens"])
+        mine = plan[rank::world]
+        todo = [s for s in mine if s[0] not in store]
+        say(f"[capture] {len(examples)} samples ({sum(len(e.input_ids) for e in examples)} tokens) in "
+            f"{len(plan)} shards; {world} rank(s); rank 0 has {len(todo)}/{len(mine)} shards to do; "
+            f"{dtype}, target {target_dir}")
+        t0, tokens, nbytes, done, last = time.time(), 0, 0, 0, 0.0
+        stopped = False
+        for key, first, count in todo:
+            if cfg.time_limit and time.time() - t_start + last > cfg.time_limit:
+                stopped = True
+                break
+            ts = time.time()
+            part = examples[first : first + count]
+            tensors = capture_examples(target, part, cfg.batch_tokens, device)
+            path = store.put(key, tensors, meta={"target_path": str(target_dir)},
+                             samples=[(first + j, len(e.input_ids)) for j, e in enumerate(part)])
+            n = int(tensors["input_ids"].numel())
+            tokens, nbytes, done, last = tokens + n, nbytes + path.stat().st_size, done + 1, time.time() - ts
+            say(f"[capture] rank 0: shard {done}/{len(todo)} {key}: {n} tokens, {n / last:.0f} tok/s")
+        secs = time.time() - t0
+        tot = all_sum(torch.tensor([tokens, nbytes, done, int(stopped)], dtype=torch.float64))
+        rate = all_sum(torch.tensor([tokens / max(secs, 1e-9)], dtype=torch.float64))
+        res = {"tokens": int(tot[0]), "bytes": int(tot[1]), "shards_written": int(tot[2]),
+               "tokens_per_s": float(rate[0]), "bytes_per_token": float(tot[1] / max(tot[0], 1)),
+               "seconds": secs, "complete": len(store.keys()) == len(plan), "stopped_by_time_limit": bool(tot[3])}
+        say(f"[capture] {res['tokens']} tokens in {secs:.1f} s: {res['tokens_per_s']:.0f} tok/s over {world} "
+            f"rank(s), {res['bytes_per_token']:.0f} bytes/token; store {cfg.out}: {len(store.keys())}/{len(plan)} shards"
+            + ("" if res["complete"] else " (incomplete: rerun the same command to resume)"))
+        if rank == 0:
+            meta = run_metadata(cfg, world=world, device=device, extra={"results": res})
+            with open(Path(cfg.out) / "capture_runs.jsonl", "a") as f:
+                f.write(json.dumps(meta, default=str) + "\n")
+            print(json.dumps({"capture": res}), flush=True)
+        return res
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ====================================================================== regenerate
+@dataclass
+class RegenConfig:
+    target: str = DEFAULT_TARGET
+    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
+    data: str = SHAREGPT
+    """'sharegpt', a .json/.jsonl(.gz)/.parquet file or directory (ShareGPT or messages style)"""
+    out: str = "runs/regen/sharegpt.jsonl"
+    """output JSONL (appended; rerun to resume)"""
+    num_records: int = 0
+    """records read from the data (0 = all)"""
+    max_turns: int = 0
+    """assistant turns regenerated per conversation; later turns are dropped (0 = all)"""
+    max_new_tokens: int = 512
+    max_prompt_len: int = 2048
+    """a turn whose prompt is longer ends the conversation there (counted)"""
+    temperature: float = 0.0
+    """0 = greedy"""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off"""
+    seed: int = 0
+    batch_size: int = 64
+    """conversations generated together (left-padded)"""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
+    time_limit: float = 0
+    """seconds since start; stop cleanly before exceeding it (an unfinished batch is discarded)"""
+    device: str = "auto"
+
+
+# settings that change what is generated: a resumed run must use the same ones
+_SAME_ON_RESUME = ("target_fingerprint", "data", "max_turns", "max_new_tokens", "max_prompt_len",
+                   "temperature", "top_p", "top_k", "seed", "dtype")
+
+
+def read_chats(source: str, limit: int | None) -> list[dict]:
+    """load_records, plus .jsonl.gz and plain .jsonl read with the standard library (so the
+    GPU box needs no `datasets`)."""
+    if source.endswith((".jsonl", ".jsonl.gz")) and Path(source).is_file():
+        out = []
+        with (gzip.open if source.endswith(".gz") else open)(source, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(out) >= limit:
+                    break
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{source}:{lineno}: malformed JSON line ({e.msg})") from None
+        return out
+    return load_records(source, limit)
+
+
+def conversation_ids(records: list[dict]) -> list[str]:
+    """The record's 'id' (or its index); a repeated id gets '#index' appended."""
+    seen, out = set(), []
+    for i, r in enumerate(records):
+        rid = str(r["id"]) if r.get("id") is not None else str(i)
+        if rid in seen:
+            rid = f"{rid}#{i}"
+        seen.add(rid)
+        out.append(rid)
+    return out
+
+
+def reply_slots(messages: list[dict], max_turns: int = 0) -> list[list[dict]]:
+    """The non-assistant messages before each assistant reply to generate. A reply is due wherever
+    the original has an assistant turn after new user input, and after trailing user input;
+    assistant turns with no new user input before them (leading or repeated) are dropped."""
+    groups, cur = [], []
+    for m in messages:
+        if m["role"] != "assistant":
+            cur.append(m)
+        elif any(x["role"] == "user" for x in cur):
+            groups.append(cur)
+            cur = []
+    if any(x["role"] == "user" for x in cur):
+        groups.append(cur)
+    return groups[:max_turns] if max_turns else groups
+
+
+class _Deadline:
+    """A generate() stopping criterion that ends every sequence once time is up."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline, self.hit = deadline, False
+
+    def __call__(self, input_ids, scores, **kw):
+        self.hit = self.hit or (self.deadline is not None and time.time() > self.deadline)
+        return torch.full((input_ids.shape[0],), self.hit, dtype=torch.bool, device=input_ids.device)
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, stopper=None) -> list[tuple[list[int], bool]]:
+    """Left-padded batch generation. Returns per prompt (new token ids before the first stop
+    token, whether max_new_tokens was hit without a stop token)."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    eos = stop_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    T = max(map(len, prompts))
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p) :] = torch.tensor(p)
+        mask[b, T - len(p) :] = 1
+    kw = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.temperature > 0 else dict(do_sample=False)
+    gc = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw)
+    dev = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gc,
+                         stopping_criteria=StoppingCriteriaList([stopper]) if stopper else None)
+    res = []
+    for row in out[:, T:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in eos), None)
+        res.append((row[:cut] if cut is not None else row, cut is None and len(row) >= cfg.max_new_tokens))
+    return res
+
+
+def regenerate_batch(model, tokenizer, convs: list[tuple[str, list[dict]]], cfg: RegenConfig, stopper=None):
+    """Regenerate every reply of a batch of conversations, turn by turn (all conversations' turn
+    j in one generate call). Returns (records, dropped), or None if the stopper fired."""
+    slots = [reply_slots(m, cfg.max_turns) for _, m in convs]
+    state = [{"messages": [], "failed": None, "new_tokens": 0, "hit_max": 0} for _ in convs]
+    for j in range(max(map(len, slots), default=0)):
+        active, prompts = [], []
+        for i, s in enumerate(state):
+            if j >= len(slots[i]) or s["failed"]:
+                continue
+            msgs = s["messages"] + slots[i][j]
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            p = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(p) > cfg.max_prompt_len:
+                s["failed"] = ("prompt_too_long", j)
+                continue
+            active.append((i, msgs))
+            prompts.append(p)
+        if not active:
+            continue
+        outs = generate_batch(model, tokenizer, prompts, cfg, stopper)
+        if stopper is not None and stopper.hit:
+            return None
+        for (i, msgs), (new, hit) in zip(active, outs):
+            text = tokenizer.decode(new, skip_special_tokens=True).strip()
+            if not text:
+                state[i]["failed"] = ("empty_output", j)
+                continue
+            state[i]["messages"] = msgs + [{"role": "assistant", "content": text}]
+            state[i]["new_tokens"] += len(new)
+            state[i]["hit_max"] += int(hit)
+    records, dropped = [], []
+    for (cid, _), sl, s in zip(convs, slots, state):
+        if not sl:
+            dropped.append({"id": cid, "reason": "no_user_turn", "turn": 0})
+        elif s["failed"] and s["failed"][1] == 0:
+            dropped.append({"id": cid, "reason": s["failed"][0], "turn": 0})
+        else:
+            rec = {"id": cid, "messages": s["messages"], "turns": sum(m["role"] == "assistant" for m in s["messages"]),
+                   "new_tokens": s["new_tokens"], "hit_max_new_tokens": s["hit_max"]}
+            if s["failed"]:  # kept up to the turn the target could not continue
+                rec["cut"], rec["cut_at_turn"] = s["failed"]
+            records.append(rec)
+    return records, dropped
+
+
+def _sidecars(out: Path) -> tuple[Path, Path]:
+    stem = out.name[: -len(".jsonl")] if out.name.endswith(".jsonl") else out.name
+    return out.with_name(stem + ".dropped.jsonl"), out.with_name(stem + ".provenance.json")
+
+
+def _read_jsonl_repair(path: Path) -> list[dict]:
+    """Lines of a JSONL we append to; a partial last line (a crash mid-write) is cut off."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        keep = raw.rfind(b"\n") + 1
+        print(f"[regen] {path}: dropping a partial last line ({len(raw) - keep} bytes)", flush=True)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        raw = raw[:keep]
+    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
+
+
+def _append(path: Path, rows: list[dict]):
+    if not rows:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _counts(records: list[dict], dropped: list[dict], source_total: int) -> dict:
+    c = Counter(f"dropped_{d['reason']}" for d in dropped)
+    c.update(f"cut_{r['cut']}" for r in records if r.get("cut"))
+    return {"source_conversations": source_total, "written": len(records), "dropped": len(dropped),
+            "remaining": source_total - len(records) - len(dropped),
+            "turns": sum(r["turns"] for r in records), "new_tokens": sum(r["new_tokens"] for r in records),
+            "turns_hit_max_new_tokens": sum(r["hit_max_new_tokens"] for r in records), **dict(sorted(c.items()))}
+
+
+def regenerate(cfg: RegenConfig) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from runlog import git_commit, hardware, versions
+
+    t_start = time.time()
+    deadline = t_start + cfg.time_limit if cfg.time_limit else None
+    kind, dtype = pick_device(cfg.device, cfg.dtype)
+    device = torch.device(kind)
+    target_dir = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(target_dir)
+    records = read_chats(cfg.data, cfg.num_records or None)
+    ids = conversation_ids(records)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dropped_path, prov_path = _sidecars(out)
+    settings = {"target": cfg.target, "target_path": str(target_dir), "target_fingerprint": fingerprint(target_dir),
+                **{k: getattr(cfg, k) for k in ("data", "num_records", "max_turns", "max_new_tokens", "max_prompt_len",
+                                                "temperature", "top_p", "top_k", "seed", "batch_size")},
+                "dtype": str(dtype).removeprefix("torch.")}
+    prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
+    if prov is not None:
+        diff = {k: (prov["settings"].get(k), settings[k]) for k in _SAME_ON_RESUME if prov["settings"].get(k) != settings[k]}
+        if diff:
+            raise SystemExit(f"error: {out} was generated with other settings {diff} (old, new): use another --out")
+    done_records, done_dropped = _read_jsonl_repair(out), _read_jsonl_repair(dropped_path)
+    done = {r["id"] for r in done_records} | {d["id"] for d in done_dropped}
+    pending = [(cid, rec) for cid, rec in zip(ids, records) if cid not in done]
+    print(f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
+          f"target {target_dir} ({dtype}, {kind})", flush=True)
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    torch.manual_seed(cfg.seed + len(done))  # a resumed sampling run continues with a fresh stream
+    runs = (prov or {}).get("runs", [])
+    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "hardware": hardware(device),
+           "versions": versions(), "git_commit": git_commit(), "done_before": len(done)}
+
+    def write_provenance(status: str):
+        run.update(status=status, seconds=round(time.time() - t_start, 1), updated=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+        doc = {"output": out.name, "dropped": dropped_path.name, "model": {"spec": cfg.target, "path": str(target_dir),
+               "name": getattr(model.config, "_name_or_path", ""), "fingerprint": settings["target_fingerprint"]},
+               "source": {"data": cfg.data, "num_records": cfg.num_records, "conversations": len(records)},
+               "settings": settings, "counts": _counts(done_records, done_dropped, len(records)), "runs": runs + [run]}
+        tmp = prov_path.with_name(prov_path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+        os.replace(tmp, prov_path)
+        return doc
+
+    # conversations in dataset order, sorted by length inside windows of 8 batches (less padding;
+    # a time-limited run still covers the dataset's head evenly)
+    convs = []
+    for rec_id, rec in pending:
+        try:
+            convs.append((rec_id, to_messages(rec)))
+        except DataError as e:
+            raise DataError(f"record {rec_id}: {e}") from e
+    W = cfg.batch_size * 8
+    ordered = []
+    for w in range(0, len(convs), W):
+        ordered += sorted(convs[w : w + W], key=lambda c: sum(len(m["content"]) for m in c[1][:2]))
+    batches = [ordered[i : i + cfg.batch_size] for i in range(0, len(ordered), cfg.batch_size)]
+
+    status, t0, new_tok, last = "complete", time.time(), 0, 0.0
+    write_provenance("running")
+    for bi, batch in enumerate(batches):
+        if deadline is not None and time.time() + last > deadline:
+            status = "stopped_by_time_limit"
+            break
+        tb = time.time()
+        res = regenerate_batch(model, tokenizer, batch, cfg, _Deadline(deadline))
+        if res is None:
+            status = "stopped_by_time_limit"  # the unfinished batch is discarded; a rerun redoes it
+            break
+        recs, drops = res
+        _append(out, recs)
+        _append(dropped_path, drops)
+        done_records += recs
+        done_dropped += drops
+        last = time.time() - tb
+        new_tok += sum(r["new_tokens"] for r in recs)
+        el = time.time() - t0
+        n_done = (bi + 1) * cfg.batch_size
+        eta = el / min(n_done, len(convs)) * max(0, len(convs) - n_done)
+        c = write_provenance("running")["counts"]
+        print(f"[regen] batch {bi + 1}/{len(batches)}: {c['written']} written, {c['dropped']} dropped, "
+              f"{c['remaining']} remaining; {new_tok} new tokens, {new_tok / el:.0f} tok/s; "
+              f"{el:.0f} s, eta {eta:.0f} s", flush=True)
+    doc = write_provenance(status)
+    print(f"[regen] {status}: {json.dumps(doc['counts'])}", flush=True)
+    print(f"[regen] wrote {out}, {dropped_path.name}, {prov_path.name}", flush=True)
+    return doc
+
+
+def main():
+    import tyro
+
+    cfg = tyro.extras.subcommand_cli_from_dict({"features": FeaturesConfig, "regenerate": RegenConfig})
+    try:
+        if isinstance(cfg, FeaturesConfig):
+            features(cfg)
+        else:
+            regenerate(cfg)
+    except (DataError, FileNotFoundError, StoreError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
