@@ -1,6 +1,7 @@
 """Train a speculative-decoding draft for a frozen target.
 
     torchrun --nproc_per_node=N train.py --strategy eagle3 [--target DIR|FILE.gguf] [--data FILE] ...
+    torchrun ... train.py --target DIR --features STORE ...   # offline: features from `capture.py features`
 
 With no arguments it trains an EAGLE-3 draft for the packaged SmolLM2-135M-Instruct on the
 packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.json (config,
@@ -43,9 +44,9 @@ class TrainConfig:
     target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""
     num_records: int = 1200
     """records read from the data (0 = all)"""
-    holdout: int = 48
+    holdout: int = 32
     """examples held out for the final evaluation"""
-    max_len: int = 512
+    max_len: int = 384
     """tokens per conversation; longer ones are truncated"""
     draft_vocab_size: int = 8192
     ttt_length: int = 7
