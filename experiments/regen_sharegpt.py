@@ -1,0 +1,126 @@
+"""Regenerate the packaged ShareGPT conversations with SmolLM2-135M-Instruct (capture.py
+regenerate) in time-bounded, resumable calls: one GPU command may run 10 minutes, so each call
+stops cleanly at --time-limit, and the next call resumes from what the last one returned.
+
+    # once, here on the CPU: the prompt subset the GPU calls read (~3 MB, carried)
+    ./dev python experiments/regen_sharegpt.py prepare --state .stage/regen
+    # each GPU call (carry .stage/regen; the results come back from --out-dir)
+    python3 experiments/regen_sharegpt.py run --state .stage/regen --out-dir $OUT \\
+        --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --time-limit 480
+    # between calls: copy the returned regen.jsonl.gz, regen.dropped.jsonl, regen.provenance.json
+    # into .stage/regen/ so the next call skips what is done
+    ./dev python experiments/regen_sharegpt.py smoke      # CPU: prepare + two resumed calls, tiny
+
+Settings (PRESET): the first 8000 ShareGPT records, the first 2 assistant turns of each, at
+most 512 new tokens a turn, prompts up to 2048 tokens, temperature 0.8 / top-p 0.95 (greedy
+makes a 135M model loop), 384 conversations per batch, bf16 on the GPU. Expected output: about
+14k turns; gzip keeps it under ~8 MB (measured with ShareGPT's own answers cut at 2000 chars
+as a stand-in: 7.5 MB). Needs no tyro or datasets on the GPU box; `gguf` for the GGUF target.
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PRESET = dict(num_records=8000, max_turns=2, max_new_tokens=512, max_prompt_len=2048, temperature=0.8,
+              top_p=0.95, seed=0, batch_size=384)
+SMOKE = dict(num_records=6, max_turns=2, max_new_tokens=12, max_prompt_len=512, temperature=0.8,
+             top_p=0.95, seed=0, batch_size=2)
+FILES = ("regen.jsonl.gz", "regen.dropped.jsonl", "regen.provenance.json")
+
+
+def prepare(state: Path, num_records: int, max_turns: int):
+    """First num_records ShareGPT conversations, user/system turns up to the max_turns-th reply,
+    assistant turns kept as empty placeholders (they are regenerated)."""
+    from capture import conversation_ids, reply_slots
+    from data.chat import to_messages
+    from data.datasets import load_records
+
+    records = load_records("sharegpt", num_records)
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "prompts.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for cid, rec in zip(conversation_ids(records), records):
+            msgs = []
+            for group in reply_slots(to_messages(rec), max_turns):
+                msgs += group + [{"role": "assistant", "content": ""}]
+            f.write(json.dumps({"id": cid, "messages": msgs}, ensure_ascii=False) + "\n")
+    print(f"[prepare] {len(records)} conversations -> {path} ({path.stat().st_size / 1e6:.2f} MB)", flush=True)
+
+
+def run(state: Path, out_dir: Path, target: str, time_limit: float, settings: dict, num_records: int = 0) -> dict:
+    from capture import RegenConfig, regenerate
+
+    work = state / "regen.jsonl"
+    for name in FILES[1:]:  # copies of returned files may be read-only; they are appended to / replaced
+        if (state / name).exists():
+            os.chmod(state / name, 0o644)
+    if not work.exists() and (state / FILES[0]).exists():  # a fresh machine: resume from the last call's output
+        with gzip.open(state / FILES[0], "rb") as src, open(work, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    cfg = RegenConfig(target=target, data=str(state / "prompts.jsonl.gz"), out=str(work), time_limit=time_limit,
+                      **{**settings, "num_records": num_records or settings["num_records"]})
+    doc = regenerate(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (FILES[0] + ".tmp")
+    with open(work, "rb") as src, gzip.open(tmp, "wb", compresslevel=9) as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(tmp, out_dir / FILES[0])
+    for name in FILES[1:]:
+        if (state / name).exists() and (state / name).resolve() != (out_dir / name).resolve():
+            shutil.copy(state / name, out_dir / name)
+    sizes = {n: (out_dir / n).stat().st_size for n in FILES if (out_dir / n).exists()}
+    print(json.dumps({"regen": doc["counts"], "status": doc["runs"][-1]["status"], "bytes": sizes}), flush=True)
+    return doc
+
+
+def smoke():
+    """Prepare 6 conversations, regenerate 3 in a first call and the rest in a second call on a
+    'fresh machine' (only the returned files carried over); check nothing is lost or repeated."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        state, out1, out2 = tmp / "state", tmp / "out1", tmp / "out2"
+        prepare(state, SMOKE["num_records"], SMOKE["max_turns"])
+        t0 = time.time()
+        run(state, out1, "smollm2", 300, SMOKE, num_records=3)
+        (state / "regen.jsonl").unlink()  # the next call starts bare: only returned files travel
+        for n in FILES:
+            if (out1 / n).exists():
+                shutil.copy(out1 / n, state / n)
+        doc = run(state, out2, "smollm2", 300, SMOKE)
+        with gzip.open(out2 / FILES[0], "rt") as f:
+            ids = [json.loads(line)["id"] for line in f]
+        c = doc["counts"]
+        assert len(ids) == len(set(ids)) == c["written"] and c["written"] + c["dropped"] == 6 and c["remaining"] == 0, c
+        assert len(doc["runs"]) == 2 and doc["runs"][1]["done_before"] == 3
+        print(f"[smoke] ok: {c['written']} written, {c['dropped']} dropped, {c['new_tokens']} new tokens in "
+              f"{time.time() - t0:.0f} s (CPU)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=["prepare", "run", "smoke"])
+    ap.add_argument("--state", type=Path, default=ROOT / ".stage" / "regen")
+    ap.add_argument("--out-dir", type=Path, default=None, help="where the results go (default: --state)")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--time-limit", type=float, default=480, help="seconds for this call, model loading included")
+    ap.add_argument("--batch-size", type=int, default=PRESET["batch_size"])
+    args = ap.parse_args()
+    if args.cmd == "prepare":
+        prepare(args.state, PRESET["num_records"], PRESET["max_turns"])
+    elif args.cmd == "run":
+        run(args.state, args.out_dir or args.state, args.target, args.time_limit, {**PRESET, "batch_size": args.batch_size})
+    else:
+        smoke()
+
+
+if __name__ == "__main__":
+    main()
