@@ -52,7 +52,7 @@ class FeaturesConfig:
     """as train.py --data"""
     num_records: int = 1200
     """as train.py --num-records (0 = all)"""
-    max_len: int = 512
+    max_len: int = 384
     """as train.py --max-len"""
     aux_layers: tuple[int, ...] = ()
     """as train.py --aux-layers (default [1, L//2-1, L-4])"""

@@ -39,6 +39,18 @@ def captured(tmp_path_factory, tiny_run_inputs):
     return out, res
 
 
+def test_defaults_match_train():
+    """`capture.py features` and `train.py` must tokenize alike by default (sample ids line up)."""
+    from dataclasses import fields
+
+    from train import TrainConfig
+
+    t, c = TrainConfig(), FeaturesConfig()
+    for f in ("target", "data", "num_records", "max_len", "aux_layers"):
+        assert getattr(c, f) == getattr(t, f), f
+    assert {f.name for f in fields(RegenConfig)} >= {"target", "data", "num_records"}
+
+
 def test_stored_features_are_the_targets(captured, tiny_run_inputs):
     from models.target import Target
 
