@@ -209,6 +209,8 @@ class RegenConfig:
     """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
     time_limit: float = 0
     """seconds since start; stop cleanly before exceeding it (an unfinished batch is discarded)"""
+    max_output_mb: float = 0
+    """stop cleanly once the output JSONL is larger (0 = no limit)"""
     device: str = "auto"
 
 
@@ -409,7 +411,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     dropped_path, prov_path = _sidecars(out)
     settings = {"target": cfg.target, "target_path": str(target_dir), "target_fingerprint": fingerprint(target_dir),
                 **{k: getattr(cfg, k) for k in ("data", "num_records", "max_turns", "max_new_tokens", "max_prompt_len",
-                                                "temperature", "top_p", "top_k", "seed", "batch_size")},
+                                                "temperature", "top_p", "top_k", "seed", "batch_size", "max_output_mb")},
                 "dtype": str(dtype).removeprefix("torch.")}
     prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
     if prov is not None:
@@ -417,6 +419,8 @@ def regenerate(cfg: RegenConfig) -> dict:
         if diff:
             raise SystemExit(f"error: {out} was generated with other settings {diff} (old, new): use another --out")
     done_records, done_dropped = _read_jsonl_repair(out), _read_jsonl_repair(dropped_path)
+    out.touch()
+    dropped_path.touch()
     done = {r["id"] for r in done_records} | {d["id"] for d in done_dropped}
     pending = [(cid, rec) for cid, rec in zip(ids, records) if cid not in done]
     print(f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
@@ -458,6 +462,9 @@ def regenerate(cfg: RegenConfig) -> dict:
     for bi, batch in enumerate(batches):
         if deadline is not None and time.time() + last > deadline:
             status = "stopped_by_time_limit"
+            break
+        if cfg.max_output_mb and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6:
+            status = "stopped_by_size_limit"
             break
         tb = time.time()
         res = regenerate_batch(model, tokenizer, batch, cfg, _Deadline(deadline))

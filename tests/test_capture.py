@@ -187,13 +187,15 @@ def test_regenerate_resumes(tmp_path, tiny_run_inputs):
     assert stopped["runs"][-1]["status"] == "stopped_by_time_limit" and stopped["counts"]["written"] == 0
     regenerate(regen_cfg(target, data, out, num_records=4))
     head = out.read_text()
+    capped = regenerate(regen_cfg(target, data, out, max_output_mb=1e-6))  # already over: nothing more
+    assert capped["runs"][-1]["status"] == "stopped_by_size_limit" and out.read_text() == head
     with open(out, "a") as f:
         f.write('{"id": "99", "messa')  # a crash mid-append
     doc = regenerate(regen_cfg(target, data, out))
     assert out.read_text().startswith(head)
     ids = [json.loads(l)["id"] for l in open(out)]
     assert sorted(ids, key=int) == [str(i) for i in range(8)]  # each once, the partial line gone
-    assert doc["runs"][-1]["done_before"] == 4 and len(doc["runs"]) == 3
+    assert doc["runs"][-1]["done_before"] == 4 and len(doc["runs"]) == 4
     # one uninterrupted run writes the same conversations (greedy)
     full = tmp_path / "full.jsonl"
     regenerate(regen_cfg(target, data, full))
