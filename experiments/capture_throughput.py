@@ -120,9 +120,9 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     info = env_info(device)
     print(f"# {info}", flush=True)
-    tmp = tempfile.TemporaryDirectory(dir=args.store_dir) if args.store_dir else tempfile.TemporaryDirectory()
     if args.store_dir:
         args.store_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.TemporaryDirectory(dir=args.store_dir)  # None: the system temp dir
 
     def sync():
         if device.type == "cuda":
