@@ -10,7 +10,12 @@ import torch
 from data.assets import asset_path
 from data.chat import DataError, Example, check_template, to_messages, tokenize_chat
 
-SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file
+SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT answers)
+# The same prompts with every assistant turn rewritten by SmolLM2-135M-Instruct itself (capture.py
+# regenerate on an H200; settings and counts in its provenance JSON): the default training set,
+# since a draft learns best from text its target would actually produce.
+SHAREGPT_REGEN = "sharegpt-regen"
+REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
 
 
 def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict]:
@@ -47,13 +52,13 @@ def _find_bad_json_line(path: Path) -> str:
 
 
 def load_records(source: str, limit: int | None = None) -> list[dict]:
-    """'sharegpt' or a .json / .jsonl / .parquet file (or a directory of them)."""
+    """'sharegpt', 'sharegpt-regen', or a .json / .jsonl(.gz) / .parquet file (or a directory of them)."""
     if source == SHAREGPT:
         return read_truncated_json_array(asset_path("sharegpt"), limit)
-    path = Path(source)
+    path = REGEN_FILE if source == SHAREGPT_REGEN else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt' or a .json/.jsonl/.parquet path)")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl", ".parquet")) if path.is_dir() else [path]
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl", ".parquet", ".gz")) if path.is_dir() else [path]
     if not files:
         raise DataError(f"{path}: no .json/.jsonl/.parquet files inside")
     import datasets

@@ -59,3 +59,16 @@ def test_global_batches_deterministic_and_rank_split():
     epoch0 = sum(one[:6], [])
     assert len(set(epoch0)) == 48  # no repeats within an epoch
     assert one[6] != one[0]  # next epoch reshuffles
+
+
+def test_packaged_regenerated_chats_are_the_default():
+    import json
+
+    from data.datasets import REGEN_FILE, SHAREGPT_REGEN
+    from train import TrainConfig
+
+    assert TrainConfig().data == SHAREGPT_REGEN
+    recs = load_records(SHAREGPT_REGEN)
+    prov = json.loads((REGEN_FILE.parent / "regen.provenance.json").read_text())
+    assert len(recs) == prov["counts"]["written"] == 3390
+    assert all(r["messages"][-1]["role"] == "assistant" for r in recs)
