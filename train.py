@@ -21,7 +21,7 @@ import torch.distributed as dist
 import tyro
 
 from data.chat import DataError
-from data.datasets import SHAREGPT, GlobalBatches, build_examples, collate, load_records, split_holdout
+from data.datasets import SHAREGPT_REGEN, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
 from data.vocab import build_vocab_mapping, count_tokens
 from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
@@ -37,8 +37,8 @@ class TrainConfig:
     """draft family to train (one of: eagle3)"""
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
-    data: str = SHAREGPT
-    """'sharegpt' (packaged) or a ShareGPT/messages-style .json/.jsonl/.parquet file or directory"""
+    data: str = SHAREGPT_REGEN
+    """'sharegpt-regen' (packaged chats answered by SmolLM2 itself), 'sharegpt' (the original answers), or a ShareGPT/messages-style .json/.jsonl(.gz)/.parquet file or directory"""
     features: str = ""
     """offline: train from a FeatureStore written by `capture.py features` (no target forward; only the
     target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""
