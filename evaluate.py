@@ -1,0 +1,189 @@
+"""Acceptance evaluation: speculative decoding of the target with a draft, in plain PyTorch.
+
+    python evaluate.py runs/default                       # chain K=3 on MT-Bench, HumanEval, GSM8K
+    python evaluate.py runs/default -k 7 --tree-topk 4 --tree-depth 5 --ngram --data mtbench
+
+DRAFT is a training checkpoint (ckpt/step_N), a run dir (its latest checkpoint) or an exported
+serving dir. Prints per dataset τ (tokens per target verification forward), the per-position
+acceptance rates, and the baselines (plain decoding: τ = 1; n-gram prompt lookup with --ngram),
+and ends with one JSON line. Every output is checked equal to plain greedy decoding of the
+target when --check-greedy is set (costs one more decode per prompt).
+
+Datasets (packaged): mtbench (80 questions x 2 turns; the second turn follows the model's own
+first answer), humaneval (164 code prompts), gsm8k (1319 questions); or a JSONL file whose lines
+hold "prompt", "turns" or "messages". Prompts are rendered with the target's chat template.
+"""
+import gzip
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import tyro
+
+from models.speculative import Eagle3Proposer, NgramProposer, Proposer, SpecStats, TargetRunner, speculative_generate
+
+DATASETS = ("mtbench", "humaneval", "gsm8k")
+
+
+def load_prompts(name: str, n: int) -> list[list[str]]:
+    """A dataset -> up to n conversations, each a list of user turns."""
+    from data.assets import asset_path
+
+    if name == "mtbench":
+        rows = [json.loads(x) for x in open(asset_path("mtbench"))]
+        turns = [r["turns"] for r in rows]
+    elif name == "humaneval":
+        with gzip.open(asset_path("humaneval"), "rt") as f:
+            turns = [[json.loads(x)["prompt"]] for x in f if x.strip()]
+    elif name == "gsm8k":
+        turns = [[json.loads(x)["question"]] for x in open(asset_path("gsm8k")) if x.strip()]
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise SystemExit(f"unknown dataset {name!r}: use {', '.join(DATASETS)} or a JSONL file")
+        turns = []
+        for lineno, line in enumerate(open(path), 1):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if "messages" in r:
+                t = [m["content"] for m in r["messages"] if m["role"] == "user"]
+            else:
+                t = r.get("turns") or [r.get("prompt")]
+            if not t or not all(isinstance(x, str) for x in t):
+                raise SystemExit(f"{path}:{lineno}: expected 'prompt', 'turns' or 'messages'")
+            turns.append(t)
+    return turns[:n] if n else turns
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    e = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(e if isinstance(e, list) else [e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=None, record=None):
+    """All turns of all conversations through one proposer. Returns (stats, seconds).
+    record(prompt_ids, output_ids) is called per turn (to replay the prompts elsewhere)."""
+    st, t0 = SpecStats(), time.time()
+    for turns in convs:
+        msgs = []
+        for user in turns:
+            msgs.append({"role": "user", "content": user})
+            prompt = render(tokenizer, msgs)
+            out, s = speculative_generate(target, proposer, prompt, max_new, eos)
+            if check_greedy is not None:
+                ref, _ = speculative_generate(target, Proposer(), prompt, max_new, eos)
+                if ref != out:
+                    i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                    raise AssertionError(f"{proposer.name}: output differs from greedy decoding at token {i}")
+            if record is not None:
+                record(prompt, out)
+            st.add(s)
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            msgs.append({"role": "assistant", "content": text})
+    return st, time.time() - t0
+
+
+@dataclass
+class EvalArgs:
+    draft: tyro.conf.Positional[str]
+    """training checkpoint, run dir, or exported serving dir"""
+    target: str = ""
+    """target (HF dir, .gguf or 'smollm2'); default: the one recorded with the draft"""
+    data: tuple[str, ...] = DATASETS
+    """datasets: mtbench humaneval gsm8k, or JSONL files of prompts"""
+    num_prompts: int = 8
+    """conversations per dataset (0 = all)"""
+    max_new_tokens: int = 128
+    k: Annotated[tuple[int, ...], tyro.conf.arg(aliases=("-k",))] = (3,)
+    """chain drafting with K draft tokens per step (several values: one run each)"""
+    tree_topk: int = 0
+    """tree drafting: keep the top-k nodes per depth (0 = no tree run)"""
+    tree_depth: int = 5
+    ngram: bool = False
+    """also measure the draft-free n-gram (prompt lookup) baseline with the first K"""
+    check_greedy: bool = False
+    """assert every output equals plain greedy decoding (one more decode per prompt)"""
+    dtype: str = "fp32"
+    """fp32 (CPU) | bf16"""
+    threads: int = 0
+    """torch threads (0 = torch's default)"""
+    save_prompts: str = ""
+    """write the prompt ids and outputs of the first chain run to this JSONL (for replaying in vLLM)"""
+    out: str = ""
+    """append the result JSON line to this file"""
+
+
+def main(a: EvalArgs) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from export import ExportError, load_draft
+    from models.target import load_tokenizer, resolve_target
+    from runlog import git_commit, hardware, versions
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    try:
+        draft, recorded = load_draft(a.draft)
+    except (ExportError, FileNotFoundError) as e:
+        raise SystemExit(f"cannot load the draft: {e}") from None
+    target_dir = resolve_target(a.target or recorded or "smollm2")
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    tok = load_tokenizer(target_dir)
+    if model.config.vocab_size != draft.config.vocab_size:
+        raise SystemExit(f"draft vocab {draft.config.vocab_size} != target vocab {model.config.vocab_size}: wrong --target?")
+    draft.to(dtype)
+    target = TargetRunner(model, draft.config.aux_layers)
+    eos = eos_ids(model, tok)
+    embed = model.get_input_embeddings()
+    proposers = [Eagle3Proposer(draft, embed, depth=k) for k in a.k]
+    if a.tree_topk:
+        proposers.append(Eagle3Proposer(draft, embed, depth=a.tree_depth, topk=a.tree_topk))
+    if a.ngram:
+        proposers.append(NgramProposer(a.k[0]))
+    result = {
+        "draft": str(a.draft), "target": str(target_dir), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
+        "dtype": a.dtype, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
+        "versions": versions(), "hardware": hardware("cpu"), "results": {},
+    }
+    saved = open(a.save_prompts, "w") if a.save_prompts else None
+    for name in a.data:
+        convs = load_prompts(name, a.num_prompts)
+        ds = Path(name).stem if Path(name).suffix else name
+        result["results"][ds] = {}
+        for i, p in enumerate(proposers):
+            rec = None
+            if saved is not None and i == 0:
+                rec = lambda prompt, out, ds=ds: saved.write(json.dumps({"dataset": ds, "prompt_ids": prompt, "output_ids": out}) + "\n")
+            st, sec = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy or None, rec)
+            s = st.summary()
+            s["seconds"] = round(sec, 1)
+            result["results"][ds][p.name] = s
+            acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
+            print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
+        print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
+    if saved is not None:
+        saved.close()
+    line = json.dumps(result)
+    print(line)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(EvalArgs))

@@ -1,0 +1,340 @@
+"""Training checkpoint -> serving directory (EAGLE-3 draft for vLLM or SGLang).
+
+    python export.py runs/default [--out DIR] [--engine vllm|sglang] [--dtype bf16|fp32] [--with-embeddings]
+
+The input is a checkpoint dir (<run>/ckpt/step_N), a run dir (its ckpt/latest is taken) or a
+run's ckpt/ dir. The output dir holds config.json + model.safetensors in the format both
+engines' `LlamaForCausalLMEagle3` loaders read (DESIGN.md, "Serving formats"):
+
+  fc.weight [H, 3*H_t]   midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]
+  midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]   midlayer.self_attn.o_proj.weight [H, Hq*D]
+  midlayer.mlp.{gate,up,down}_proj.weight   norm.weight [H]   lm_head.weight [Vd, H]
+  d2t int64 [Vd] (target_id = draft_id + d2t[draft_id])   t2d bool [V]
+  embed_tokens.weight [V, H] only with --with-embeddings (the engines otherwise share the target's)
+
+This file alone knows the engines' conventions. Aux layer ids, checked in the engines' code:
+
+  ours   `aux_layers` are 0-based decoder-layer indices whose OUTPUTS feed fc: layer i's output
+         is HF `output_hidden_states[i + 1]` (models/target.py).
+  vLLM   (0.32, vllm/model_executor/models/llama.py) `LlamaModel.forward` loops
+         `for idx, layer in enumerate(layers): if idx in self.aux_hidden_state_layers:
+         aux_hidden_states.append(hidden_states + residual)` BEFORE running layer idx, i.e. it
+         captures the INPUT of layer idx = output of layer idx-1 = HF hidden_states[idx].
+         The ids come unchanged from the draft config's `eagle_aux_hidden_state_layer_ids`
+         (read by the model runner, vllm/v1/worker/*model_runner*.py, and handed to
+         `set_aux_hidden_state_layers`); the default when absent is (2, L//2, L-3)
+         (`get_eagle3_aux_hidden_state_layers`). So vLLM id k == HF hidden_states[k] and
+         vllm_id = our_index + 1.
+  SGLang (0.5.x, python/sglang/srt/models/llama.py) `set_eagle3_layers_to_capture(layer_ids)`
+         stores `[val + 1 for val in layer_ids]` and its forward appends `hidden_states +
+         residual` before running layer i when i is in that list (again the input of layer i);
+         default [2, L//2, L-3]. So SGLang id k == output of layer k == HF hidden_states[k+1]
+         and sglang_id = our_index.
+  Both defaults are the same three tensors: outputs of layers [1, L//2-1, L-4] (our default).
+  We always write explicit ids, so a draft trained on non-default layers serves correctly.
+"""
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from models.eagle3 import Eagle3Config, Eagle3Draft
+
+ENGINES = ("vllm", "sglang")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+class ExportError(RuntimeError):
+    """A checkpoint or serving dir that is missing, incomplete or misshaped."""
+
+
+# ---- index conventions (the only place that knows them) ----
+def engine_aux_ids(aux_layers: list[int], engine: str) -> list[int]:
+    """Our 0-based layer-output indices -> the engine's eagle_aux_hidden_state_layer_ids."""
+    if engine == "vllm":
+        return [i + 1 for i in aux_layers]  # vLLM id k = input of layer k = HF hidden_states[k]
+    if engine == "sglang":
+        return list(aux_layers)  # SGLang adds +1 itself
+    raise ValueError(f"unknown engine {engine!r}: choose one of {ENGINES}")
+
+
+def aux_layers_from_engine(ids: list[int], engine: str) -> list[int]:
+    return [i - 1 for i in ids] if engine == "vllm" else engine_aux_ids(ids, engine)
+
+
+# ---- training checkpoints ----
+def find_checkpoint(path: str | Path) -> Path:
+    """ckpt/step_N, a run dir (-> ckpt/latest) or a ckpt/ dir (-> latest)."""
+    p = Path(path)
+    if (p / "draft.safetensors").exists():
+        return p
+    for ckpt_dir in (p / "ckpt", p):
+        latest = ckpt_dir / "latest"
+        if latest.exists():
+            d = ckpt_dir / latest.read_text().strip()
+            if not (d / "draft.safetensors").exists():
+                raise ExportError(f"{latest} points to {d}, which has no draft.safetensors")
+            return d
+    raise ExportError(f"{p}: not a training checkpoint (no draft.safetensors, no ckpt/latest)")
+
+
+def expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Every tensor of the serving format: name -> (shape, dtype or None for 'any float')."""
+    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
+    shapes = {
+        "fc.weight": ((H, len(c.aux_layers) * c.target_hidden_size), None),
+        "midlayer.input_layernorm.weight": ((H,), None),
+        "midlayer.hidden_norm.weight": ((H,), None),
+        "midlayer.post_attention_layernorm.weight": ((H,), None),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * H), None),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * H), None),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * H), None),
+        "midlayer.self_attn.o_proj.weight": ((H, q), None),
+        "midlayer.mlp.gate_proj.weight": ((I, H), None),
+        "midlayer.mlp.up_proj.weight": ((I, H), None),
+        "midlayer.mlp.down_proj.weight": ((H, I), None),
+        "norm.weight": ((H,), None),
+        "lm_head.weight": ((c.draft_vocab_size, H), None),
+        "d2t": ((c.draft_vocab_size,), torch.int64),
+        "t2d": ((c.vocab_size,), torch.bool),
+    }
+    return shapes
+
+
+def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, optional=("embed_tokens.weight",)):
+    """Fail loudly on missing, unexpected, misshaped or non-finite tensors and on a d2t/t2d
+    pair that does not describe the same draft vocabulary."""
+    want = expected_shapes(c)
+    missing = sorted(set(want) - set(sd))
+    extra = sorted(set(sd) - set(want) - set(optional))
+    if missing or extra:
+        raise ExportError(f"{where}: missing tensors {missing}" + (f", unexpected {extra}" if extra else ""))
+    for name, (shape, dtype) in want.items():
+        t = sd[name]
+        if tuple(t.shape) != shape:
+            raise ExportError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape} (from the draft config)")
+        if dtype is not None and t.dtype != dtype:
+            raise ExportError(f"{where}: {name} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not (t.is_floating_point() and torch.isfinite(t).all()):
+            raise ExportError(f"{where}: {name} is not a finite float tensor")
+    ids = torch.arange(c.draft_vocab_size) + sd["d2t"]
+    if ids.min() < 0 or ids.max() >= c.vocab_size or len(set(ids.tolist())) != c.draft_vocab_size:
+        raise ExportError(f"{where}: d2t does not map the draft vocab to distinct target ids in [0, {c.vocab_size})")
+    if int(sd["t2d"].sum()) != c.draft_vocab_size or not bool(sd["t2d"][ids].all()):
+        raise ExportError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
+    if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (c.vocab_size, c.hidden_size):
+        raise ExportError(f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, expected {(c.vocab_size, c.hidden_size)}")
+
+
+def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
+    check_tensors(sd, c, where)
+    draft = Eagle3Draft(c)
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True)
+    return draft.eval()
+
+
+def load_checkpoint(path: str | Path) -> tuple[Eagle3Draft, dict]:
+    """A training checkpoint -> (fp32 Eagle3Draft, its config.json {strategy, draft, target})."""
+    from safetensors.torch import load_file
+
+    d = find_checkpoint(path)
+    meta_path = d / "config.json"
+    if not meta_path.exists():
+        raise ExportError(f"{d}: config.json is missing")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("strategy") != "eagle3":
+        raise ExportError(f"{d}: strategy {meta.get('strategy')!r} cannot be exported as EAGLE-3")
+    try:
+        c = Eagle3Config(**meta["draft"])
+    except (KeyError, TypeError) as e:
+        raise ExportError(f"{meta_path}: bad draft config: {e}") from None
+    meta["checkpoint"] = str(d)
+    return _draft_from(load_file(d / "draft.safetensors"), c, str(d / "draft.safetensors")), meta
+
+
+# ---- serving dirs ----
+def serving_config(c: Eagle3Config, target_config: dict, engine: str, dtype: torch.dtype) -> dict:
+    """config.json of the serving dir. Rope fields are copied as the target's config has them
+    (the draft's rope must be the target's: positions are shared)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        # the midlayer's residual is the un-normed hidden state (vLLM/SGLang default)
+        "norm_before_residual": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine), "use_aux_hidden_state": True},
+        "torch_dtype": HF_DTYPE_NAMES[dtype],
+        "dtype": HF_DTYPE_NAMES[dtype],
+    }
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in target_config:
+            cfg[k] = target_config[k]
+    rope = {k: target_config[k] for k in ROPE_FIELDS if target_config.get(k) is not None}
+    if not rope:
+        rope = {"rope_parameters": c.rope_parameters}
+    cfg.update(rope)
+    return cfg
+
+
+def _target_config(target_dir: str | Path | None, c: Eagle3Config) -> dict:
+    if target_dir and (Path(target_dir) / "config.json").exists():
+        tc = json.loads((Path(target_dir) / "config.json").read_text())
+        tc = tc.get("text_config", tc)
+        if tc.get("hidden_size") != c.target_hidden_size or tc.get("vocab_size") != c.vocab_size:
+            raise ExportError(
+                f"target {target_dir} (hidden {tc.get('hidden_size')}, vocab {tc.get('vocab_size')}) does not match the "
+                f"draft (target_hidden_size {c.target_hidden_size}, vocab_size {c.vocab_size})"
+            )
+        return tc
+    return {}
+
+
+def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str = "bf16", with_embeddings: bool = False, target: str | None = None) -> Path:
+    """Write the serving dir; returns it. The write goes through a temporary dir renamed into
+    place, so a failed export never leaves a dir that looks complete."""
+    from safetensors.torch import save_file
+
+    if engine not in ENGINES:
+        raise ExportError(f"unknown engine {engine!r}: choose one of {ENGINES}")
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}: choose one of {tuple(DTYPES)}")
+    draft, meta = load_checkpoint(ckpt)
+    c, tdtype = draft.config, DTYPES[dtype]
+    target_dir = target or meta.get("target")
+    tc = _target_config(target_dir, c)
+    sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
+    if with_embeddings:
+        if c.hidden_size != c.target_hidden_size:
+            raise ExportError("--with-embeddings needs the draft's hidden size to equal the target's")
+        sd["embed_tokens.weight"] = _target_embeddings(target_dir).to(tdtype).contiguous()
+    check_tensors(sd, c, "export")
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = serving_config(c, tc, engine, tdtype)
+    cfg["nanospec_export"] = {  # provenance, ignored by the engines
+        "engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None,
+        "checkpoint": meta["checkpoint"], "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def _target_embeddings(target_dir) -> torch.Tensor:
+    from safetensors import safe_open
+
+    if not target_dir:
+        raise ExportError("--with-embeddings needs the target dir (the checkpoint names none; pass --target)")
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+                if name in st.keys():
+                    return st.get_tensor(name)
+    raise ExportError(f"no embed_tokens weight found in {target_dir}/*.safetensors")
+
+
+def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
+    """An exported config.json -> Eagle3Config. The engine (which fixes how the aux ids read)
+    comes from the provenance block, else must be given."""
+    prov = cfg.get("nanospec_export", {})
+    engine = engine or prov.get("engine")
+    if engine not in ENGINES:
+        raise ExportError("serving config names no engine: pass engine='vllm' or 'sglang' to read its aux layer ids")
+    try:
+        ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+        c = Eagle3Config(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=dict(rope),
+            max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            aux_layers=aux_layers_from_engine(ids, engine), hidden_act=cfg.get("hidden_act", "silu"),
+        )
+    except KeyError as e:
+        raise ExportError(f"serving config lacks field {e}") from None
+    if prov.get("aux_layer_outputs") is not None and prov["aux_layer_outputs"] != c.aux_layers:
+        raise ExportError(f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}")
+    return c
+
+
+def load_exported(path: str | Path, engine: str | None = None) -> tuple[Eagle3Draft, dict]:
+    """A serving dir -> (fp32 Eagle3Draft, its config.json)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
+        raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
+    cfg = json.loads((p / "config.json").read_text())
+    if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        raise ExportError(f"{p}: architectures {cfg.get('architectures')} is not an EAGLE-3 draft")
+    return _draft_from(load_file(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
+
+
+def load_draft(path: str | Path) -> tuple[Eagle3Draft, str | None]:
+    """Any draft dir (training checkpoint, run dir or serving dir) -> (fp32 draft, target dir
+    recorded with it, or None)."""
+    p = Path(path)
+    if (p / "model.safetensors").exists():
+        draft, cfg = load_exported(p)
+        return draft, cfg.get("nanospec_export", {}).get("target")
+    draft, meta = load_checkpoint(p)
+    return draft, meta.get("target")
+
+
+@dataclass
+class ExportArgs:
+    ckpt: tyro.conf.Positional[str]
+    """training checkpoint dir (ckpt/step_N), or a run dir (its latest checkpoint)"""
+    out: str = ""
+    """serving dir to write (default: <run>/export-<engine>)"""
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """whose aux-layer-id convention the config uses (the tensors are the same)"""
+    dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
+    with_embeddings: bool = False
+    """also write embed_tokens.weight (the target's); engines share the target's otherwise"""
+    target: str = ""
+    """target dir (default: the one recorded in the checkpoint)"""
+
+
+def main(a: ExportArgs) -> Path:
+    try:
+        d = find_checkpoint(a.ckpt)
+        out = a.out or str(d.parent.parent / f"export-{a.engine}")
+        path = export(d, out, a.engine, a.dtype, a.with_embeddings, a.target or None)
+    except (ExportError, FileNotFoundError) as e:
+        raise SystemExit(f"export failed: {e}") from None
+    print(f"[export] {d} -> {path} ({a.engine}, {a.dtype}{', with embeddings' if a.with_embeddings else ''})")
+    return path
+
+
+if __name__ == "__main__":
+    main(tyro.cli(ExportArgs))

