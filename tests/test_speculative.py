@@ -189,3 +189,38 @@ def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
         prompt = render(smollm2_tokenizer, [{"role": "user", "content": text}])
         out, _ = speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), d, k), prompt, 24, eos)
         assert out == hf_greedy(hf, prompt, 24, eos)
+
+
+def test_packaged_prompt_sets():
+    from evaluate import load_prompts
+
+    mt, he, gsm = load_prompts("mtbench", 0), load_prompts("humaneval", 0), load_prompts("gsm8k", 0)
+    assert (len(mt), len(he), len(gsm)) == (80, 164, 1319)
+    assert all(len(t) == 2 for t in mt) and all(len(t) == 1 for t in he + gsm)
+    assert he[0][0].startswith("from typing import List") and len(load_prompts("gsm8k", 5)) == 5
+
+
+def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
+    """The CLI end to end on a tiny target with SmolLM2's chat template: every mode reproduces
+    greedy decoding (--check-greedy) and the JSON line holds the counters."""
+    import json
+
+    import evaluate
+    from tests.test_export import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_run_inputs
+    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi there", "And again"]}) + "\n" + json.dumps({"prompt": "Count to ten."}) + "\n")
+    res = evaluate.main(evaluate.EvalArgs(
+        draft=str(run), target=str(target_dir), data=(str(prompts),), num_prompts=0, max_new_tokens=12,
+        k=(2, 3), tree_topk=2, tree_depth=3, ngram=True, check_greedy=True, out=str(tmp_path / "r.jsonl"),
+    ))
+    r = res["results"]["p"]
+    assert set(r) == {"eagle3-chain2", "eagle3-chain3", "eagle3-tree2x3", "ngram"}
+    for s in r.values():
+        assert s["prompts"] == 3 and s["tau"] >= 1.0 and s["target_forwards"] == s["prompts"] + s["drafts"]
+    assert len(r["eagle3-chain3"]["acceptance_per_pos"]) == 3
+    assert json.loads((tmp_path / "r.jsonl").read_text())["results"] == res["results"]

