@@ -1,0 +1,527 @@
+"""Compiled target backend: a forward-only, pure-PyTorch re-implementation of the common target
+families, returning only the features a draft trains on (the same `Features` as
+models/target.Target, which stays the reference: any HF causal LM, eager).
+
+Families: Llama 3.x (llama3 rope scaling), Qwen2 (q/k/v biases), Qwen3 (per-head RMSNorm of q
+and k before rope), Qwen3-MoE (softmax router, top-k, optional renormalisation of the top-k
+weights, experts through one grouped GEMM). Parameter names are Hugging Face's, so a
+checkpoint's safetensors load with `load_state_dict(assign=True)` and an HF model's weights can
+be shared without a copy (`from_hf_model`).
+
+What makes it fast (gpt-fast / torchtitan style):
+  * bf16, no autograd, no KV cache, no output_hidden_states: the aux layers' outputs are kept,
+    the rest is dropped as soon as the next layer has read it; with need_final=False the layers
+    after the last aux layer are neither built nor loaded.
+  * torch.compile of the decoder layer, the repeated unit: every layer reuses the one compiled
+    graph (parameters are graph inputs). mode="reduce-overhead" adds CUDA graphs; they pay off
+    when shapes repeat (fixed-length packed rows) and kernels are small (MoE routing).
+  * attention: full rows (no padding, one document) use SDPA's causal kernel (FlashAttention /
+    cuDNN); rows with padding or several packed documents use FlexAttention with the document
+    mask of kernels/masks.py, whose block sparsity skips padding and cross-document blocks.
+  * MoE experts: (token, expert) pairs sorted by expert, group ends by searchsorted (no host
+    sync: bincount would sync, and CUDA graphs could not capture it), one grouped GEMM per
+    projection, a deterministic sum over the top-k slots. torch._grouped_mm (F.grouped_mm where
+    present): torch >= 2.9 on CUDA sm80+ in bf16 (the H200 path), and on CPU, where torch 2.13's
+    eager kernel takes fp32 too but its meta function (hence inductor) only bf16. Requirements:
+    16-byte aligned pointers and strides (K, N multiples of 8 in bf16), int32 cumulative offsets;
+    group sizes need no padding in forward (torchtitan pads to 8 for the backward's K-grouped
+    GEMM). Elsewhere a padded batched matmul (one host sync). Never a Python loop over experts.
+
+Tensor parallelism (a later issue) fits the layout: q/k/v and gate/up are column-parallel,
+o and down row-parallel (DTensor `parallelize_module`), and head counts are read from the
+projected shapes (view(..., -1, head_dim)), so a layer runs unchanged on its local heads.
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager
+from models.target import Features, default_aux_layers
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+# Real config.json values of the benchmark targets (random weights are built from these).
+PRESETS = {
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu",
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+        use_sliding_window=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.001,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+}
+
+
+@dataclass
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama/Qwen3 with attention_bias (then o_proj too)
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3 / Qwen3-MoE
+    num_experts: int = 0  # > 0: Qwen3-MoE sparse layers
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"  # (read by Eagle3Config.from_target)
+    hf: dict = field(default_factory=dict, repr=False)  # the config.json it came from
+
+    def is_moe(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TargetConfig":
+        """From a config.json dict (or an HF config's to_dict()); raises for what is not built here."""
+        kind = d.get("model_type")
+        if kind not in FAMILIES:
+            raise NotImplementedError(f"compiled backend: model_type {kind!r} not supported ({', '.join(FAMILIES)}); use --backend hf")
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias"):
+            raise NotImplementedError("compiled backend: only silu MLPs without biases")
+        if d.get("use_sliding_window") and kind != "llama":
+            raise NotImplementedError("compiled backend: sliding-window attention is not implemented")
+        rope = dict(d.get("rope_parameters") or {})
+        if not rope:  # config.json style: rope_theta + rope_scaling
+            rope = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0), **(d.get("rope_scaling") or {})}
+        rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError("compiled backend: partial rotary embeddings")
+        heads = d["num_attention_heads"]
+        bias = bool(d.get("attention_bias", False))
+        return cls(
+            model_type=kind, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d["rms_norm_eps"],
+            rope_parameters=rope, max_position_embeddings=d["max_position_embeddings"],
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if kind == "qwen3_moe" else 0,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0), moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)), decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(d.get("mlp_only_layers") or []), hf=dict(d),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "TargetConfig":
+        if name not in PRESETS:
+            raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls.from_dict(PRESETS[name])
+
+    def to_hf(self):
+        """The transformers config of the same model (to build the HF reference)."""
+        from transformers import AutoConfig
+
+        d = dict(self.hf) or {k: v for k, v in asdict(self).items() if k != "hf"}
+        return AutoConfig.for_model(**d)
+
+
+# ----------------------------------------------------------------------------------------- rope
+def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """inv_freq [D/2] fp32, exactly as transformers computes it for these rope types."""
+    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / rope["factor"]
+    if kind == "llama3":  # Llama 3.1: long wavelengths slowed by `factor`, a smooth ramp between
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf")
+
+
+def apply_rope(x_BHTD, cos_BTD, sin_BTD):
+    half = x_BHTD.shape[-1] // 2
+    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
+    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
+
+
+# --------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):  # transformers' order of casts, so bf16 outputs match bit for bit
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        H, D = c.hidden_size, c.head_dim
+        self.head_dim = D
+        self.q_proj = nn.Linear(H, c.num_attention_heads * D, bias=c.qkv_bias)  # column-parallel
+        self.k_proj = nn.Linear(H, c.num_key_value_heads * D, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(H, c.num_key_value_heads * D, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * D, H, bias=c.o_bias)  # row-parallel
+        self.q_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x_BTH, cos, sin, block_mask):
+        B, T, _ = x_BTH.shape
+        q = self.q_proj(x_BTH).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x_BTH).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x_BTH).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = q.shape[1] != k.shape[1]
+        if block_mask is None:  # whole rows: the fused causal kernel
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # padding / packed documents: block-sparse flex (in-graph when the layer is compiled)
+            # inside a compiled layer the plain function is traced into the graph; eager CPU
+            # runs it unfused (tests); eager CUDA takes the one compiled flex of kernels/masks.py
+            raw = torch.compiler.is_compiling() or not x_BTH.is_cuda
+            flex = flex_attention_eager if raw else flex_attention_compiled
+            o = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
+
+
+class Experts(nn.Module):
+    """All experts' weights stacked (transformers 5 layout): gate_up_proj [E, 2I, H] (gate rows
+    first), down_proj [E, H, I]."""
+
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+
+def grouped_mm_supported(device: torch.device) -> bool:
+    """torch._grouped_mm exists and runs here: CUDA sm80+ (torch >= 2.9; the kernel is bf16 only)
+    or CPU (torch >= 2.9, any dtype in eager; inductor traces only bf16: its meta checks it)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0) if device.type == "cuda" else device.type == "cpu"
+
+
+def grouped_mm(x_SK, w_EKN, offs_E):
+    """Rows [offs[e-1], offs[e]) of x times w[e], one kernel."""
+    mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return mm(x_SK, w_EKN, offs=offs_E)
+
+
+@torch.library.custom_op("nanospec::padded_bmm", mutates_args=())
+def padded_bmm(x_SK: torch.Tensor, w_EKN: torch.Tensor, expert_S: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Fallback for grouped_mm: scatter the expert-sorted rows into [E, C, K] (C = the largest
+    group: one host sync, hence an opaque op to torch.compile), one bmm, gather back."""
+    counts = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    C = max(int(counts.max()), 1)
+    slot = torch.arange(x_SK.shape[0], device=x_SK.device) - (offs_E - counts).long()[expert_S]
+    buf = x_SK.new_zeros(w_EKN.shape[0], C, x_SK.shape[1])
+    buf[expert_S, slot] = x_SK
+    return torch.bmm(buf, w_EKN)[expert_S, slot]
+
+
+@padded_bmm.register_fake
+def _(x_SK, w_EKN, expert_S, offs_E):
+    return x_SK.new_empty(x_SK.shape[0], w_EKN.shape[2])
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-MoE block: softmax router -> top-k (renormalised if norm_topk_prob) -> experts."""
+
+    def __init__(self, c: TargetConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = Router(c)
+        self.experts = Experts(c)
+        self.use_grouped_mm = False  # set once the weights are on a device (FastTarget._init_buffers)
+
+    def forward(self, x_BTH):
+        B, T, H = x_BTH.shape
+        x = x_BTH.reshape(-1, H)
+        N, k, E = x.shape[0], self.top_k, self.gate.weight.shape[0]
+        logits = F.linear(x, self.gate.weight)  # [N, E]
+        w_Nk, idx_Nk = logits.float().softmax(-1).topk(k, dim=-1)
+        if self.norm_topk_prob:
+            w_Nk = w_Nk / w_Nk.sum(-1, keepdim=True)
+        w_Nk = w_Nk.to(x.dtype)
+        # sort the N*k (token, expert) pairs by expert; offs[e] = end of expert e's rows
+        expert_S, order_S = idx_Nk.reshape(-1).sort(stable=True)
+        offs = torch.searchsorted(expert_S, torch.arange(1, E + 1, device=x.device), out_int32=True)
+        xs = x[order_S // k]  # [S, H], S = N*k
+        gate_up, down = self.experts.gate_up_proj.transpose(1, 2), self.experts.down_proj.transpose(1, 2)
+        if self.use_grouped_mm and (x.dtype == torch.bfloat16 or not (x.is_cuda or torch.compiler.is_compiling())):
+            h = grouped_mm(xs, gate_up, offs)  # [S, 2I]
+            g, u = h.chunk(2, dim=-1)
+            y = grouped_mm(F.silu(g) * u, down, offs)  # [S, H]
+        else:
+            h = padded_bmm(xs, gate_up, expert_S, offs)
+            g, u = h.chunk(2, dim=-1)
+            y = padded_bmm(F.silu(g) * u, down, expert_S, offs)
+        y = y * w_Nk.reshape(-1)[order_S, None]
+        out = torch.empty_like(y).index_copy_(0, order_S, y)  # back to (token, slot) order
+        return out.view(N, k, H).sum(1).view(B, T, H)  # (a deterministic sum, unlike index_add_)
+
+
+class Block(nn.Module):
+    def __init__(self, c: TargetConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SparseMoE(c) if c.is_moe(layer) else MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, cos, sin, block_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, block_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):  # named like transformers' `model.` so checkpoint keys match
+    def __init__(self, c: TargetConfig, n_layers: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, i) for i in range(n_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+# ---------------------------------------------------------------------------------------- model
+def positions_from_docs(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Position of every token inside its document (packed rows restart at 0 per document)."""
+    B, T = doc_ids_BT.shape
+    t = torch.arange(T, device=doc_ids_BT.device).expand(B, T)
+    start = torch.ones_like(doc_ids_BT, dtype=torch.bool)
+    start[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    return t - torch.where(start, t, 0).cummax(dim=1).values
+
+
+def pack_documents(docs: list[list[int]], row_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Greedy first-fit packing of token lists into rows of row_len: input_ids, doc_ids (-1 =
+    padding) and position_ids [R, row_len], plus where[i] = (row, start) of document i."""
+    rows, fill, where = [], [], []
+    for i, d in enumerate(docs):
+        if len(d) > row_len:
+            raise ValueError(f"document {i} has {len(d)} tokens > row length {row_len}")
+        r = next((j for j, f in enumerate(fill) if f + len(d) <= row_len), None)
+        if r is None:
+            rows.append([]), fill.append(0)
+            r = len(rows) - 1
+        where.append((r, fill[r]))
+        rows[r].append(i)
+        fill[r] += len(d)
+    R = len(rows)
+    ids = torch.full((R, row_len), pad_id, dtype=torch.long)
+    doc = torch.full((R, row_len), -1, dtype=torch.int32)
+    pos = torch.zeros((R, row_len), dtype=torch.long)
+    for i, (r, s) in enumerate(where):
+        n = len(docs[i])
+        ids[r, s : s + n] = torch.tensor(docs[i])
+        doc[r, s : s + n] = i
+        pos[r, s : s + n] = torch.arange(n)
+    return {"input_ids": ids, "doc_ids": doc, "position_ids": pos, "where": torch.tensor(where).view(-1, 2)}
+
+
+class FastTarget(nn.Module):
+    """Frozen target, forward only; interface of models/target.Target (forward -> Features,
+    embed_tokens, lm_head, config, aux_layers, path)."""
+
+    def __init__(self, config: TargetConfig, aux_layers=None, need_final: bool = True, path: Path | None = None):
+        super().__init__()
+        c = self.config = config
+        L = c.num_hidden_layers
+        self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(L)
+        if any(not 0 <= i < L for i in self.aux_layers):
+            raise ValueError(f"aux_layers {self.aux_layers} out of range for a {L}-layer target")
+        self.need_final, self.path = need_final, path
+        self.model = Decoder(c, L if need_final else max(self.aux_layers) + 1)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(c.rope_parameters, c.head_dim), persistent=False)
+        self.requires_grad_(False)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    # ---- construction: meta device first, then real storage exactly once ----
+    @classmethod
+    def from_config(cls, config: TargetConfig, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True, seed=0):
+        """Random weights (normal, std 0.02; norms 1; biases 0), allocated on `device` directly."""
+        with torch.device("meta"):
+            m = cls(config, aux_layers, need_final)
+        m = m.to(dtype).to_empty(device=device)
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+        m._init_buffers(device)
+        return m.eval()
+
+    @classmethod
+    def from_pretrained(cls, spec, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True):
+        """An HF directory (or anything models.target.resolve_target takes): safetensors are
+        memory-mapped and streamed tensor by tensor to `device`, then assigned (no init)."""
+        from safetensors import safe_open
+
+        from models.target import resolve_target
+
+        path = resolve_target(str(spec))
+        config = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            m = cls(config, aux_layers, need_final, path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no .safetensors files (the compiled backend reads only safetensors)")
+        sd = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for k in st.keys():
+                    sd[k] = st.get_tensor(k).to(device=device, dtype=dtype)
+        return m._assign(sd, device)
+
+    @classmethod
+    def from_hf_model(cls, hf_model, aux_layers=None, need_final=True):
+        """Share an HF model's weights (no copy): the HF backend and this one on one set of weights."""
+        config = TargetConfig.from_dict(hf_model.config.to_dict())
+        with torch.device("meta"):
+            m = cls(config, aux_layers, need_final, getattr(hf_model, "name_or_path", None))
+        device = next(hf_model.parameters()).device
+        return m._assign(dict(hf_model.state_dict()), device)
+
+    def _assign(self, sd: dict, device):
+        """Checkpoint names -> ours: per-expert weights (hub checkpoints) are stacked into the
+        transformers-5 layout; layers we did not build and stray buffers are dropped."""
+        want = self.state_dict()
+        experts: dict[str, dict] = {}
+        out = {}
+        for k, t in sd.items():
+            if ".mlp.experts." in k and k.endswith("_proj.weight") and k.split(".mlp.experts.")[1][0].isdigit():
+                prefix, rest = k.split(".mlp.experts.")
+                e, proj = rest.split(".")[:2]
+                experts.setdefault(prefix, {})[(int(e), proj)] = t
+            elif k in want:
+                out[k] = t
+        for prefix, parts in experts.items():
+            E = 1 + max(e for e, _ in parts)
+            gate_up = [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(E)]
+            if f"{prefix}.mlp.experts.gate_up_proj" in want:
+                out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+                out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(E)])
+        if self.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+            want.pop("lm_head.weight", None)
+        missing = sorted(set(want) - set(out))
+        if missing:
+            raise KeyError(f"compiled backend: checkpoint lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        self.load_state_dict(out, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._init_buffers(device)
+        return self.eval().requires_grad_(False)
+
+    def _init_buffers(self, device):
+        self.inv_freq = rope_inv_freq(self.config.rope_parameters, self.config.head_dim).to(device)
+        for m in self.modules():
+            if isinstance(m, SparseMoE):
+                m.use_grouped_mm = grouped_mm_supported(torch.device(device))
+
+    def compile_layers(self, mode: str | None = None, dynamic: bool | None = False):
+        """Compile the decoder layer once for all layers. mode: None (inductor default),
+        'max-autotune-no-cudagraphs', 'reduce-overhead' (CUDA graphs), 'max-autotune'."""
+        self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        for layer in self.model.layers:
+            layer.compile(mode=mode, fullgraph=True, dynamic=dynamic)
+        return self
+
+    # ---- forward ----
+    def rope(self, positions_BT: torch.Tensor, dtype):
+        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2] fp32, as transformers
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None, doc_ids=None, position_ids=None) -> Features:
+        """input_ids [B, T]. Either nothing (every row is one whole sequence: causal SDPA), or
+        attention_mask [B, T] (right padding), or doc_ids [B, T] (packed rows: document label
+        per token, -1 = padding; positions restart per document unless position_ids are given).
+        Padded positions hold garbage in the returned features (as with the HF backend)."""
+        B, T = input_ids.shape
+        if doc_ids is None and attention_mask is not None:
+            doc_ids = attention_mask.to(torch.int32) - 1  # one document per row, padding -1
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T) if doc_ids is None else positions_from_docs(doc_ids)
+        block_mask = None
+        if doc_ids is not None:
+            block_mask = create_block_mask(document_mask(doc_ids), B, None, T, T, device=input_ids.device,
+                                           _compile=input_ids.is_cuda)
+        if getattr(self, "cudagraphs", False):
+            torch.compiler.cudagraph_mark_step_begin()  # last call's graph outputs may be reused
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, h.dtype)
+        want, captured = set(self.aux_layers), {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, block_mask)
+            if i in want:
+                captured[i] = h
+        aux = torch.cat([captured[i] for i in self.aux_layers], dim=-1)  # (a copy: out of any graph pool)
+        final = self.model.norm(h) if self.need_final else None
+        return Features(aux_hidden=aux, final_hidden=final)

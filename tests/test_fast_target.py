@@ -1,0 +1,185 @@
+"""The compiled target backend gives the HF reference's hidden states (aux layers and final
+normed) on tiny random Llama (llama3 rope scaling, GQA), Qwen2 (q/k/v biases), Qwen3 (q/k norm)
+and Qwen3-MoE (mixed dense/sparse layers) models: padded batches, packed rows, whole rows,
+the MoE fallback, loading from a safetensors directory, early stop, and compiled layers."""
+import pytest
+import torch
+
+from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents, rope_inv_freq
+from models.target import Target
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest value (hidden states reach ~15)
+
+
+def hf_model(kind: str, seed=0):
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    if kind == "llama":  # llama3 scaling with a short original context, so all three bands are hit
+        cfg = tf.LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32})
+    elif kind == "llama_tied":
+        cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True, "num_key_value_heads": 4})
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common)
+    elif kind == "qwen3_moe":  # layers 1, 3 sparse (step 2), 5 forced dense
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[5])
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    m = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # large random weights (the default init is nearly the identity), norms near 1
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if n.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+    return m
+
+
+def padded_batch(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), T), generator=g)
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+def close(x, ref, tol=TOL):
+    torch.testing.assert_close(x, ref, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, ref.abs().max().item()))
+
+
+def assert_features_close(f, ref, lengths, tol=TOL):
+    for b, n in enumerate(lengths):  # valid positions only: padding holds garbage in both
+        close(f.aux_hidden[b, :n], ref.aux_hidden[b, :n], tol)
+        close(f.final_hidden[b, :n], ref.final_hidden[b, :n], tol)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe"])
+def test_padded_and_whole_rows_match_hf(kind):
+    hf = hf_model(kind)
+    ref_t, fast = Target(hf, [0, 2, 3]), FastTarget.from_hf_model(hf, [0, 2, 3])
+    lengths = [37, 20, 9]
+    ids, mask = padded_batch(lengths, hf.config.vocab_size)
+    assert_features_close(fast(ids, mask), ref_t(ids, mask), lengths)  # flex document mask
+    full = [ids.shape[1]] * 2
+    assert_features_close(fast(ids[:2]), ref_t(ids[:2]), full)  # causal SDPA
+    if kind == "llama_tied":
+        assert fast.lm_head.weight.data_ptr() == fast.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_packed_rows_match_separate_sequences(kind):
+    hf = hf_model(kind, seed=1)
+    ref_t, fast = Target(hf, [1, 4]), FastTarget.from_hf_model(hf, [1, 4])
+    lengths = [23, 40, 7, 31, 12, 5]
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    packed = pack_documents(docs, row_len=48)
+    assert packed["input_ids"].shape[0] < len(docs)  # several documents share a row
+    f = fast(packed["input_ids"], doc_ids=packed["doc_ids"])
+    pos = packed["position_ids"]
+    f_pos = fast(packed["input_ids"], doc_ids=packed["doc_ids"], position_ids=pos)  # explicit positions: same
+    torch.testing.assert_close(f_pos.aux_hidden, f.aux_hidden, rtol=0, atol=0)
+    for i, d in enumerate(docs):
+        r, s = packed["where"][i].tolist()
+        ref = ref_t(torch.tensor([d]))
+        close(f.aux_hidden[r, s : s + len(d)], ref.aux_hidden[0])
+        close(f.final_hidden[r, s : s + len(d)], ref.final_hidden[0])
+
+
+def test_moe_fallback_equals_grouped_mm():
+    hf = hf_model("qwen3_moe", seed=2)
+    fast = FastTarget.from_hf_model(hf, [1, 3])
+    ids, mask = padded_batch([30, 30], hf.config.vocab_size, seed=2)
+    grouped = fast(ids)
+    for m in fast.modules():
+        if hasattr(m, "use_grouped_mm"):
+            assert m.use_grouped_mm == hasattr(torch, "_grouped_mm")
+            m.use_grouped_mm = False
+    fallback = fast(ids)
+    close(fallback.aux_hidden, grouped.aux_hidden)
+    close(fallback.final_hidden, grouped.final_hidden)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_from_pretrained_safetensors(kind, tmp_path):
+    hf = hf_model(kind, seed=3)
+    hf.save_pretrained(tmp_path)
+    fast = FastTarget.from_pretrained(tmp_path, [0, 5], dtype=torch.float32, device="cpu")
+    ids, mask = padded_batch([25, 11], hf.config.vocab_size, seed=3)
+    assert_features_close(fast(ids, mask), Target(hf, [0, 5])(ids, mask), [25, 11])
+
+
+def test_stops_after_last_aux_layer():
+    hf = hf_model("qwen3", seed=4)
+    full, short = FastTarget.from_hf_model(hf, [1, 2]), FastTarget.from_hf_model(hf, [1, 2], need_final=False)
+    assert len(short.model.layers) == 3 and len(full.model.layers) == 6
+    ids, _ = padded_batch([19], hf.config.vocab_size, seed=4)
+    f, s = full(ids), short(ids)
+    assert s.final_hidden is None
+    torch.testing.assert_close(s.aux_hidden, f.aux_hidden, rtol=0, atol=0)
+
+
+def test_compiled_layers_match_eager():
+    """torch.compile of the layer (inductor on CPU): one graph for all layers, same numbers,
+    dense and MoE (whose fp32 experts go through the opaque fallback op under compile)."""
+    torch._dynamo.reset()
+    for kind in ("llama", "qwen3_moe"):
+        hf = hf_model(kind, seed=5)
+        fast = FastTarget.from_hf_model(hf, [1, 2, 4])
+        ids, mask = padded_batch([24, 16], hf.config.vocab_size, seed=5)
+        ref_pad, ref_full = fast(ids, mask), fast(ids)
+        fast.compile_layers()
+        assert_features_close(fast(ids, mask), ref_pad, [24, 16], tol=dict(rtol=1e-4, atol=1e-5))
+        assert_features_close(fast(ids), ref_full, [24, 24], tol=dict(rtol=1e-4, atol=1e-5))
+
+
+def test_random_init_and_presets():
+    c = TargetConfig.preset("llama-3.1-8b")
+    assert (c.num_hidden_layers, c.num_key_value_heads, c.rope_parameters["rope_type"]) == (32, 8, "llama3")
+    m = TargetConfig.preset("qwen3-30b-a3b")
+    assert m.is_moe(0) and m.num_experts == 128 and m.norm_topk_prob and m.qk_norm
+    assert TargetConfig.preset("qwen3-8b").qk_norm and not TargetConfig.preset("qwen3-8b").qkv_bias
+    hf_cfg = c.to_hf()  # the HF config of a preset: same rope as ours
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_hf, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(c.rope_parameters, c.head_dim), inv_hf, rtol=0, atol=0)
+    assert scale == 1.0
+    tiny = TargetConfig.from_dict({**PRESETS["qwen3-30b-a3b"], "hidden_size": 32, "num_hidden_layers": 3,
+                                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                   "vocab_size": 50, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    t = FastTarget.from_config(tiny, [0, 1], dtype=torch.float32, device="cpu")
+    assert not any(p.is_meta for p in t.parameters())
+    std = t.model.layers[0].mlp.experts.gate_up_proj.std().item()
+    assert 0.015 < std < 0.025 and torch.all(t.model.norm.weight == 1)
+    f = t(torch.randint(0, 50, (2, 9)))
+    assert f.aux_hidden.shape == (2, 9, 64) and torch.isfinite(f.final_hidden).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_cuda_bf16_eager_compiled_and_cudagraphs(kind):
+    """On the GPU in bf16: HF vs ours eager (padded + whole rows), then the compiled layer
+    without and with CUDA graphs against our eager output; MoE experts run torch._grouped_mm."""
+    torch._dynamo.reset()
+    hf = hf_model(kind, seed=6).cuda().to(torch.bfloat16)
+    ref_t, fast = Target(hf, [1, 3, 4]), FastTarget.from_hf_model(hf, [1, 3, 4])
+    if kind == "qwen3_moe":
+        assert all(m.use_grouped_mm for m in fast.modules() if hasattr(m, "use_grouped_mm"))
+    lengths = [256, 200, 77]
+    ids, mask = (x.cuda() for x in padded_batch(lengths, hf.config.vocab_size, seed=6))
+    bf16 = dict(rtol=2e-2, atol=2e-2)
+    eager_pad, eager_full = fast(ids, mask), fast(ids)
+    assert_features_close(eager_pad, ref_t(ids, mask), lengths, bf16)
+    assert_features_close(eager_full, ref_t(ids), [256] * 3, bf16)
+    for mode in (None, "reduce-overhead"):
+        fast.compile_layers(mode=mode)
+        for _ in range(3):  # CUDA graphs: warm-up, record, replay
+            pad, full = fast(ids, mask), fast(ids)
+        assert_features_close(pad, eager_pad, lengths, bf16)
+        assert_features_close(full, eager_full, [256] * 3, bf16)
