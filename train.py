@@ -23,8 +23,9 @@ import tyro
 from data.chat import DataError
 from data.datasets import SHAREGPT_REGEN, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
+from data.prefetch import Prefetcher
 from data.vocab import build_vocab_mapping, count_tokens
-from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count
+from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count, select_rows
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
 from runlog import RunLog, run_metadata
 
@@ -79,6 +80,12 @@ class TrainConfig:
     """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
+    backend: str = "hf"
+    """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
+    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU)"""
+    compile: bool = False
+    """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
+    shapes repeat (one rank only for now)"""
     progress: bool = True
 
 
@@ -118,6 +125,8 @@ class Trainer:
             raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
         if kind == "cpu" and cfg.attention == "flex":
             raise SystemExit("--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager")
+        if cfg.backend not in ("hf", "compiled"):
+            raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")
         self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
@@ -135,6 +144,12 @@ class Trainer:
         self.store = None
         if cfg.features:
             self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
+        elif cfg.backend == "compiled":
+            from models.fast_target import FastTarget
+
+            self.target = FastTarget.from_pretrained(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
+            if kind == "cuda":
+                self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
@@ -184,30 +199,50 @@ class Trainer:
         elif self.dtype != torch.float32:
             draft.to(self.dtype)
         self.draft = draft
+        if cfg.compile and self.world > 1:
+            raise SystemExit("--compile is single-rank for now (FSDP2 + compile is untested here)")
+        # the training step compiled as a unit; the Triton CE stays eager (kernels/ce.py), evaluation eager
+        self.draft_step = torch.compile(draft, dynamic=None) if cfg.compile else draft
         decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True if self.device.type == "cuda" and self.world == 1 else None,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> TTT loss ----
-    def forward(self, examples, scale: float = 1.0, global_counts: bool = True):
+    def host_batch(self, examples) -> dict:
+        """Everything about a batch that the host knows without the GPU: collated tensors, the
+        trained rows of each TTT step (GPU only: the CPU keeps the reference selection), token
+        count, whether anything is padded. Runs on the prefetch thread during training."""
+        b = collate(examples)
+        if self.cfg.compile:  # one shape for every batch: pad to max_len, a multiple of the flex block
+            T = max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128)
+            b = {k: torch.nn.functional.pad(v, (0, T - v.shape[1])) for k, v in b.items()}
+        if self.device.type == "cuda":
+            b["rows"] = select_rows(b["loss_mask"], self.cfg.ttt_length)
+        b.update(examples=examples, ntok=int(b["attention_mask"].sum()), padded=not bool(b["attention_mask"].all()))
+        return b
+
+    def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None):
         """Target features -> EAGLE-3 batch -> TTT loss. With global_counts the per-step
         normalisers are summed over ranks first, so every rank's loss is a share of one
-        global mean (scale=world undoes FSDP's gradient averaging)."""
-        b = {k: v.to(self.device) for k, v in collate(examples).items()}
+        global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
+        already built and on the device (the prefetcher's)."""
+        if b is None:
+            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples).items()}
         if self.store is None:
-            feats = self.target(b["input_ids"], b["attention_mask"])
+            feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
         else:
             feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype)
         batch = make_batch(feats, b["input_ids"], b["loss_mask"], self.target.embed_tokens, self.target.lm_head, self.draft.draft_ids)
         counts = local_counts(batch, self.draft.t2d, self.cfg.ttt_length)
         if global_counts:
             counts = all_sum(counts)
-        loss, stats = self.draft(batch, self.cfg.ttt_length, counts, attention=self.cfg.attention, loss=self.cfg.loss)
-        return loss * scale, stats, counts, int(b["attention_mask"].sum())
+        draft = self.draft_step if torch.is_grad_enabled() else self.draft
+        loss, stats = draft(batch, self.cfg.ttt_length, counts, attention=self.cfg.attention, loss=self.cfg.loss, rows=b.get("rows"))
+        return loss * scale, stats, counts, b["ntok"]
 
     def metrics(self, stats, counts) -> dict:
         loss_sum, correct = all_sum(stats["loss_sum"].clone()), all_sum(stats["correct"].clone().float())
@@ -307,13 +342,25 @@ class Trainer:
 
             bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
         t0, tokens = time.time(), 0
+
+        def examples_of(step):
+            return self.host_batch([self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)])
+
+        prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         for step in range(start, self.total_steps):
-            idx = self.batches.indices(step, self.rank, self.world)
-            loss, stats, counts, ntok = self.forward([self.train_set[i] for i in idx], scale=float(self.world))
-            if not torch.isfinite(loss):
+            b = next(prefetch)
+            loss, stats, counts, ntok = self.forward(b["examples"], scale=float(self.world), b=b)
+            # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
+            # eval, checkpoint, stop), so a bad step is caught before anything is saved
+            n = step + 1
+            sync = (n % cfg.log_every == 0 or n == self.total_steps or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
+                    or (cfg.eval_every and n % cfg.eval_every == 0) or (cfg.stop_after and n - start >= cfg.stop_after))
+            if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
+                prefetch.close()
                 raise FloatingPointError(
-                    f"non-finite loss at step {step}; parameters were not updated. Last good checkpoint: "
-                    f"{self.out / 'ckpt'} (lower --lr or check the data)"
+                    f"non-finite loss at step {step}; parameters were not updated"
+                    f"{'' if self.device.type == 'cpu' else ' at this step (on GPU the loss is checked at log/eval/checkpoint steps)'}. "
+                    f"Last good checkpoint: {self.out / 'ckpt'} (lower --lr or check the data)"
                 )
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
@@ -338,6 +385,7 @@ class Trainer:
             if cfg.stop_after and step + 1 - start >= cfg.stop_after and step + 1 < self.total_steps:
                 if bar:
                     bar.close()
+                prefetch.close()
                 self.save(step + 1)
                 self.print(f"[stop] after step {step + 1}; continue with --resume")
                 self.log.finish({"stopped_at": step + 1})

@@ -206,15 +206,18 @@ class Eagle3Draft(nn.Module):
         return self.finish(out, hidden_BTH), (k, v)
 
     # ---- training: the TTT unroll ----
-    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch"):
+    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch",
+                rows: torch.Tensor | None = None):
         """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
         loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
-        the global batch whatever the rank split. Returns the weighted loss and detached per-step
-        sums {loss_sum, correct} for logging."""
+        the global batch whatever the rank split. rows [K, R] (optional, from select_rows on the
+        host): the trained rows of each step, so nothing here waits for the GPU (the default
+        selects them on the device with nonzero(), a host sync per step). Returns the weighted
+        loss and detached per-step sums {loss_sum, correct} for logging."""
         attend = ATTENTION[attention]
         B, T, _ = batch.embeds.shape
         positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
-        masks = step_masks(batch, self.t2d, ttt_length)
+        masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
         draft_ids = self.draft_ids
         hidden = self.fc(batch.aux_hidden.to(self.fc.weight.dtype))
         ks, vs, total = [], [], 0.0
@@ -225,16 +228,25 @@ class Eagle3Draft(nn.Module):
             ks.append(kk)
             vs.append(vv)
             hidden = self.finish(attend(q, ks, vs), hidden)
-            acc_mask, loss_mask = masks[k]
-            rows = acc_mask.reshape(-1).nonzero().squeeze(1)  # the head runs only where trained
-            p = _shift(batch.target_p, 1 + k).reshape(B * T, -1)[rows]
-            loss_sum, top_draft = self.head_loss(hidden.reshape(B * T, -1)[rows], p, loss_mask.reshape(-1)[rows], loss)
+            if rows is None:  # the head runs only where trained
+                acc_mask, loss_mask = masks[k]
+                sel = acc_mask.reshape(-1).nonzero().squeeze(1)
+                p = _shift(batch.target_p, 1 + k).reshape(B * T, -1)[sel]
+                top = _shift(batch.target_top, 1 + k).reshape(-1)[sel]
+                weight, valid = loss_mask.reshape(-1)[sel], None
+            else:  # row r = (b, t) reads target position t+1+k of the same sequence (t+2+k < T)
+                valid = rows[k] >= 0  # -1 = padding to a fixed size
+                sel = rows[k].clamp(min=0)
+                src = torch.where(valid, sel + 1 + k, 0)
+                p, top = batch.target_p.reshape(B * T, -1)[src], batch.target_top.reshape(-1)[src]
+                weight = valid & self.t2d[top]
+            loss_sum, top_draft = self.head_loss(hidden.reshape(B * T, -1)[sel], p, weight, loss)
             total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
-            top = _shift(batch.target_top, 1 + k).reshape(-1)[rows]
             loss_sums.append(loss_sum.detach())
             # rows the loss skips (target top token outside the draft vocab) report argmax -1
             # from the kernels; the draft cannot be right there anyway
-            correct.append(((top_draft >= 0) & (draft_ids[top_draft.clamp(min=0)] == top)).sum())
+            hit = (top_draft >= 0) & (draft_ids[top_draft.clamp(min=0)] == top)
+            correct.append((hit if valid is None else hit & valid).sum())
         return total, {"loss_sum": torch.stack(loss_sums), "correct": torch.stack(correct)}
 
     def head_loss(self, hidden_NH, p_NV, mask_N, impl: str):
@@ -267,12 +279,20 @@ class Eagle3Batch:
 
 @torch.no_grad()
 def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids) -> Eagle3Batch:
-    logits = lm_head(features.final_hidden)  # [B, T, V]
+    # one sequence at a time: the [T, V] target logits (1 GiB at T = 4096, V = 128k, bf16)
+    # exist once instead of B times
+    B, T = input_ids.shape
+    target_p = torch.empty(B, T, draft_ids.numel(), device=input_ids.device, dtype=torch.float32)
+    target_top = torch.empty(B, T, device=input_ids.device, dtype=torch.long)
+    for b in range(B):
+        logits = lm_head(features.final_hidden[b])  # [T, V]
+        target_p[b] = logits[:, draft_ids].float().softmax(-1)
+        target_top[b] = logits.argmax(-1)
     return Eagle3Batch(
         aux_hidden=features.aux_hidden,
         embeds=embed_tokens(input_ids),
-        target_p=logits[..., draft_ids].float().softmax(-1),
-        target_top=logits.argmax(-1),
+        target_p=target_p,
+        target_top=target_top,
         loss_mask=loss_mask,
     )
 
@@ -292,6 +312,19 @@ def step_masks(batch: Eagle3Batch, t2d: torch.Tensor, ttt_length: int):
     for k in range(ttt_length):
         acc = _shift(batch.loss_mask, 2 + k).bool()
         out.append((acc, acc & t2d[_shift(batch.target_top, 1 + k)]))
+    return out
+
+
+def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256) -> torch.Tensor:
+    """[K, R] int64 flat row indices b*T + t trained at each TTT step (token t+2+k is assistant
+    output), from the loss mask on the host, padded with -1 to one size R (a multiple of
+    `multiple`, so compiled shapes repeat). Row counts shrink with k, so R fits every step."""
+    B, T = loss_mask_BT.shape
+    per_step = [_shift(loss_mask_BT, 2 + k).reshape(-1).nonzero().squeeze(1) for k in range(ttt_length)]
+    R = max(multiple, -(-per_step[0].numel() // multiple) * multiple)
+    out = torch.full((ttt_length, R), -1, dtype=torch.long)
+    for k, r in enumerate(per_step):
+        out[k, : r.numel()] = r
     return out
 
 

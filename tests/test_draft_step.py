@@ -1,0 +1,99 @@
+"""The draft step at full speed gives the reference's numbers: rows chosen on the host (no
+nonzero() sync) equal rows chosen on the device, the step compiled as a unit equals eager, the
+prefetcher hands over the right batches, and train.py with the compiled target backend and the
+compiled step follows the HF-backend run."""
+import pytest
+import torch
+
+from data.prefetch import Prefetcher
+from models.eagle3 import local_counts, select_rows
+from tests.test_eagle3_ttt import setup
+from tests.test_train_e2e import run_train, train_rows
+
+
+def loss_and_grads(draft, batch, ttt, attention, loss, rows=None, step=None):
+    counts = local_counts(batch, draft.t2d, ttt)
+    total, stats = (draft if step is None else step)(batch, ttt, counts, attention, loss, rows=rows)
+    return total, stats, torch.autograd.grad(total, list(draft.parameters()))
+
+
+def assert_same(a, b, rtol=1e-5):
+    (ta, sa, ga), (tb, sb, gb) = a, b
+    torch.testing.assert_close(ta, tb, rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(sa["loss_sum"], sb["loss_sum"], rtol=rtol, atol=1e-5)
+    assert torch.equal(sa["correct"], sb["correct"])
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_select_rows():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [1, 0, 0, 1, 1, 0]])
+    rows = select_rows(mask, 3, multiple=4)
+    # step k trains row (b, t) iff mask[b, t + 2 + k]; rows are b * 6 + t, then -1 padding
+    assert rows.tolist() == [[0, 2, 3, 7, 8, -1, -1, -1], [1, 2, 6, 7, -1, -1, -1, -1], [0, 1, 6, -1, -1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("attention,loss", [("lse", "torch"), ("eager", "triton"), ("eager", "fused")])
+def test_host_rows_equal_device_rows(attention, loss):
+    draft, batch, _, ttt = setup(seed=2)
+    rows = select_rows(batch.loss_mask, ttt, multiple=16)  # with padding rows
+    assert (rows < 0).any()
+    assert_same(loss_and_grads(draft, batch, ttt, attention, loss, rows), loss_and_grads(draft, batch, ttt, attention, loss))
+
+
+def test_compiled_step_equals_eager():
+    """torch.compile of the whole TTT forward (inductor on CPU; lse attention, Triton-CE contract
+    on its plain-torch path, which stays out of the graph): same loss, stats, gradients."""
+    torch._dynamo.reset()
+    draft, batch, _, _ = setup(seed=3)
+    ttt = 2
+    rows = select_rows(batch.loss_mask, ttt, multiple=8)
+    step = torch.compile(draft)  # (loss "torch", one graph without breaks, runs in the train.py test below)
+    assert_same(loss_and_grads(draft, batch, ttt, "lse", "triton", rows, step), loss_and_grads(draft, batch, ttt, "lse", "triton"))
+
+
+def test_prefetcher_order_passthrough_and_errors():
+    def make(i):
+        if i == 3:
+            raise ValueError("bad batch 3")
+        return {"x": torch.full((2,), i), "tag": f"b{i}"}
+
+    p = Prefetcher(make, range(3), "cpu")
+    got = [(int(b["x"][0]), b["tag"]) for b in p]
+    assert got == [(0, "b0"), (1, "b1"), (2, "b2")]
+    p = Prefetcher(make, range(5), "cpu")
+    assert [int(next(p)["x"][0]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad batch 3"):
+        next(p)
+    p.close()
+
+
+@pytest.mark.slow
+def test_train_compiled_backend_and_step_follow_hf(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "hf", target, data, 0, ["--steps", "3"])
+    run_train(tmp_path / "fast", target, data, 0, ["--steps", "3", "--backend", "compiled", "--compile"])
+    hf, fast = train_rows(tmp_path / "hf"), train_rows(tmp_path / "fast")
+    assert len(hf) == len(fast) == 3
+    for a, b in zip(hf, fast):
+        for k in ("loss", "loss_0", "loss_2", "acc_0", "acc_2"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward and Triton need a GPU")
+def test_cuda_compiled_step_equals_eager():
+    """The GPU training step: flex attention + Triton CE, compiled with host rows, vs eager with
+    device rows (fp32 so the comparison is tight)."""
+    torch._dynamo.reset()
+    draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
+    draft = draft.cuda()
+    rows = select_rows(batch.loss_mask, ttt).cuda()
+    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
+    ref = loss_and_grads(draft, batch, ttt, "flex", "triton")
+    got = loss_and_grads(draft, batch, ttt, "flex", "triton", rows, torch.compile(draft))
+    (ta, sa, ga), (tb, sb, gb) = got, ref
+    torch.testing.assert_close(ta, tb, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sa["correct"], sb["correct"])
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5)
