@@ -200,7 +200,8 @@ def main(a: EvalArgs) -> dict:
             s["seconds"] = round(sec, 1)
             result["results"][ds][p.name] = s
             acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
-            print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
+            extra = f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})" if isinstance(p, NgramProposer) else ""
+            print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
     if a.vllm:
         import tempfile

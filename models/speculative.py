@@ -69,12 +69,13 @@ class SpecStats:
     new_tokens: int = 0  # tokens returned (after EOS / max_new_tokens truncation)
     target_forwards: int = 0  # prefills + verification steps
     drafts: int = 0  # verification steps
+    proposed: int = 0  # verification steps with at least one draft token
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def add(self, o: "SpecStats"):
-        for k in ("prompts", "new_tokens", "target_forwards", "drafts", "draft_tokens", "accepted"):
+        for k in ("prompts", "new_tokens", "target_forwards", "drafts", "proposed", "draft_tokens", "accepted"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         n = max(len(self.accepted_per_pos), len(o.accepted_per_pos))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][:n]
@@ -85,6 +86,9 @@ class SpecStats:
             "tau": 1 + self.accepted / d,
             "acceptance_per_pos": [a / d for a in self.accepted_per_pos],
             "draft_acceptance_rate": self.accepted / max(self.draft_tokens, 1),
+            # vLLM's `1 + accepted / num_drafts` counts only steps that proposed: it equals tau
+            # for EAGLE (always proposes) and overstates it for n-gram lookup
+            "tau_proposed_steps": 1 + self.accepted / max(self.proposed, 1),
             "prompts": self.prompts, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
         }
@@ -132,6 +136,8 @@ class TargetRunner:
         if len(idx) == self.length and rows == list(range(len(rows))):
             return
         for layer in self.cache.layers:
+            if type(layer).__name__ != "DynamicLayer":  # sliding-window / linear-attention caches hold more state
+                raise NotImplementedError(f"speculative decoding needs plain KV caches, the target uses {type(layer).__name__}")
             i = idx.to(layer.keys.device)
             layer.keys, layer.values = layer.keys.index_select(2, i), layer.values.index_select(2, i)
         self.length = len(idx)
@@ -288,6 +294,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
             path.append(cur)
         new = [tree.tokens[i] for i in path] + [pred[cur + 1]]
         st.drafts += 1
+        st.proposed += int(len(tree) > 0)
         st.draft_tokens += max(depths, default=0)
         st.accepted += len(path)
         if len(st.accepted_per_pos) < max(depths, default=0):

@@ -10,6 +10,15 @@ from models.target import Target
 from tests.tiny import tiny_llama
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest single-threaded (and do not stall on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def hf_greedy(model, prompt, max_new, eos=None):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt) :].tolist()
@@ -29,7 +38,7 @@ def random_draft(hf, seed=0, draft_vocab=48):
     return d.eval(), target.aux_layers
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("mode", ["chain1", "chain3", "chain7", "tree3x4", "tree2x6", "ngram", "none"])
 def test_output_equals_greedy(seed, mode):
     hf = tiny_llama(seed=seed)
