@@ -32,6 +32,10 @@ This file alone knows the engines' conventions. Aux layer ids, checked in the en
          and sglang_id = our_index.
   Both defaults are the same three tensors: outputs of layers [1, L//2-1, L-4] (our default).
   We always write explicit ids, so a draft trained on non-default layers serves correctly.
+  Checked end to end on vLLM 0.32 CPU: its vllm:spec_decode_* counters equal our PyTorch
+  evaluator's exactly (gate.py; evaluate.py --vllm, experiments/results/acceptance_cpu.md).
+  vLLM's loader skips t2d, renames d2t to draft_id_to_target_id and leaves that table at zero
+  (silently wrong drafts) when d2t is missing: hence the loud checks here.
 """
 import json
 import shutil

@@ -179,7 +179,8 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
     while step < cfg.max_steps:
         cmd = base + (["--resume"] if step else [])
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        (out / "train.log").open("a").write(p.stdout + p.stderr)
+        with open(out / "train.log", "a") as f:
+            f.write(p.stdout + p.stderr)
         if p.returncode != 0:
             tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
             raise GateFailure("overfit", f"train.py exited {p.returncode}: " + " | ".join(tail))
