@@ -53,12 +53,12 @@ class TrainConfig:
     ttt_length: int = 7
     aux_layers: tuple[int, ...] = ()
     """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
-    batch_size: int = 8
+    batch_size: int = 4
     """global batch in sequences (split over ranks)"""
-    steps: int = 60
+    steps: int = 80
     """optimizer steps (0 = one epoch)"""
     lr: float = 3e-3
-    warmup: int = 6
+    warmup: int = 8
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 0.5
