@@ -110,6 +110,8 @@ def expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.d
         "d2t": ((c.draft_vocab_size,), torch.int64),
         "t2d": ((c.vocab_size,), torch.bool),
     }
+    if c.fc_norm:  # EAGLE-3.1
+        shapes.update({f"fc_norm.{i}.weight": ((c.target_hidden_size,), None) for i in range(len(c.aux_layers))})
     return shapes
 
 
@@ -189,6 +191,11 @@ def serving_config(c: Eagle3Config, target_config: dict, engine: str, dtype: tor
         # the midlayer's residual is the un-normed hidden state (vLLM/SGLang default)
         "norm_before_residual": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine), "use_aux_hidden_state": True},
+        # EAGLE-3.1 (vLLM llama_eagle3.py: `fc_norm` = one RMSNorm per aux chunk before fc, weights
+        # fc_norm.{i}.weight; `norm_output` = the hidden state handed to the next draft step is the
+        # normed output)
+        "fc_norm": bool(c.fc_norm),
+        "norm_output": bool(c.norm_output),
         "torch_dtype": HF_DTYPE_NAMES[dtype],
         "dtype": HF_DTYPE_NAMES[dtype],
     }
@@ -282,6 +289,7 @@ def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
             max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
             draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             aux_layers=aux_layers_from_engine(ids, engine), hidden_act=cfg.get("hidden_act", "silu"),
+            fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
         )
     except KeyError as e:
         raise ExportError(f"serving config lacks field {e}") from None

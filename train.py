@@ -24,18 +24,17 @@ from data.chat import DataError
 from data.datasets import SHAREGPT_REGEN, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
 from data.prefetch import Prefetcher
-from data.vocab import build_vocab_mapping, count_tokens
-from models.eagle3 import ATTENTION, LOSSES, Eagle3Config, Eagle3Draft, local_counts, make_batch, param_count, select_rows
+from data.vocab import count_tokens
+from models.eagle3 import ATTENTION, LOSSES, param_count
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
 from runlog import RunLog, run_metadata
-
-STRATEGIES = ("eagle3",)
+from strategies import STRATEGIES
 
 
 @dataclass
 class TrainConfig:
     strategy: str = "eagle3"
-    """draft family to train (one of: eagle3)"""
+    """draft family to train: eagle3 | peagle | dflash | domino | dspark (strategies.py)"""
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
     data: str = SHAREGPT_REGEN
@@ -51,6 +50,21 @@ class TrainConfig:
     """tokens per conversation; longer ones are truncated"""
     draft_vocab_size: int = 8192
     ttt_length: int = 7
+    """drafted tokens K trained per position: TTT steps (eagle3), parallel depths (peagle), block
+    predictions (dflash/domino: blocks of K+1 after the clean anchor; dspark: blocks of K)"""
+    objective: str = "auto"
+    """eagle3/peagle: kl (default) | lk-alpha | lk-lambda (LK losses); dflash: ce (default, per-slot hard CE) |
+    dpace (slots reweighted by detached prefix-acceptance estimates); domino: ce; dspark: ce+l1"""
+    fc_norm: bool = False
+    """EAGLE-3.1 (eagle3/peagle): one RMSNorm per aux source before fc"""
+    norm_output: bool = False
+    """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
+    draft_layers: int = 1
+    """decoder layers of the block drafters (dflash/domino/dspark)"""
+    num_anchors: int = 32
+    """blocks per sequence (dflash/domino/dspark): random anchors on assistant tokens"""
+    loss_decay: float = 0.0
+    """dflash/domino: weight exp(-(k-1)/gamma) on block slot k (0 = none); dspark always uses gamma 4"""
     aux_layers: tuple[int, ...] = ()
     """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
     batch_size: int = 4
@@ -118,6 +132,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         if cfg.strategy not in STRATEGIES:
             raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        self.strategy = STRATEGIES[cfg.strategy]
+        if cfg.objective == "auto":
+            cfg = dataclasses.replace(cfg, objective=self.strategy.objectives[0])
+        if cfg.objective not in self.strategy.objectives:
+            raise SystemExit(f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.strategy.objectives)}")
+        if cfg.compile and cfg.objective.startswith("lk"):
+            raise SystemExit("--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)")
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
@@ -137,6 +158,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.log = RunLog(self.out, enabled=self.rank == 0)
+        self.progress = 0.0  # fraction of the schedule done (loss schedules, e.g. Domino's)
 
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
@@ -181,15 +203,13 @@ class Trainer:
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
-        d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
-        dcfg = Eagle3Config.from_target(t.config, cfg.draft_vocab_size, t.aux_layers)
-        draft = Eagle3Draft(dcfg)
-        draft.d2t.copy_(d2t)
-        draft.t2d.copy_(t2d)
+        draft = self.strategy.build(cfg, t, counts, self.tokenizer)
+        self.draft_config = draft.config
+        t2d = getattr(draft, "t2d", None)
+        vocab = "" if t2d is None else (
+            f", draft vocab {int(t2d.sum())} covers {counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens")
         draft.to(self.device)
-        self.draft_config = dcfg
-        coverage = counts[t2d].sum().item() / max(1, counts.sum().item())
-        self.print(f"[draft] {param_count(draft) / 1e6:.1f}M params, draft vocab {cfg.draft_vocab_size} covers {coverage:.1%} of trained tokens")
+        self.print(f"[draft] {cfg.strategy}: {param_count(draft) / 1e6:.1f}M params{vocab}")
         if self.world > 1:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -211,37 +231,37 @@ class Trainer:
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
-    # ---- one batch -> TTT loss ----
-    def host_batch(self, examples) -> dict:
+    # ---- one batch -> the strategy's loss ----
+    def host_batch(self, examples, key: int = 0) -> dict:
         """Everything about a batch that the host knows without the GPU: collated tensors, the
-        trained rows of each TTT step (GPU only: the CPU keeps the reference selection), token
-        count, whether anything is padded. Runs on the prefetch thread during training."""
+        strategy's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
+        drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
+        during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
         b = collate(examples)
         if self.cfg.compile:  # one shape for every batch: pad to max_len, a multiple of the flex block
             T = max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128)
             b = {k: torch.nn.functional.pad(v, (0, T - v.shape[1])) for k, v in b.items()}
-        if self.device.type == "cuda":
-            b["rows"] = select_rows(b["loss_mask"], self.cfg.ttt_length)
+        b = self.strategy.host(b, self.cfg, self.device, key, first=self.rank * len(examples))
         b.update(examples=examples, ntok=int(b["attention_mask"].sum()), padded=not bool(b["attention_mask"].all()))
         return b
 
-    def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None):
-        """Target features -> EAGLE-3 batch -> TTT loss. With global_counts the per-step
+    def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
+        """Target features -> the strategy's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
         already built and on the device (the prefetcher's)."""
         if b is None:
-            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples).items()}
+            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
         if self.store is None:
             feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
         else:
             feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype)
-        batch = make_batch(feats, b["input_ids"], b["loss_mask"], self.target.embed_tokens, self.target.lm_head, self.draft.draft_ids)
-        counts = local_counts(batch, self.draft.t2d, self.cfg.ttt_length)
+        batch = self.strategy.make_batch(feats, b, self.target, self.draft)
+        counts = self.strategy.counts(batch, self.draft, self.cfg)
         if global_counts:
             counts = all_sum(counts)
         draft = self.draft_step if torch.is_grad_enabled() else self.draft
-        loss, stats = draft(batch, self.cfg.ttt_length, counts, attention=self.cfg.attention, loss=self.cfg.loss, rows=b.get("rows"))
+        loss, stats = self.strategy.step(draft, batch, counts, self.cfg, b, self.progress)
         return loss * scale, stats, counts, b["ntok"]
 
     def metrics(self, stats, counts) -> dict:
@@ -263,7 +283,7 @@ class Trainer:
         for j in range(n_iter):
             i = (j * self.world + self.rank) * bs
             w = float(i < len(self.eval_set))
-            _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False)
+            _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j)
             tot_loss += w * stats["loss_sum"].float().cpu()
             tot_correct += w * stats["correct"].float().cpu()
             tot_counts += w * counts.float().cpu()
@@ -344,11 +364,12 @@ class Trainer:
         t0, tokens = time.time(), 0
 
         def examples_of(step):
-            return self.host_batch([self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)])
+            return self.host_batch([self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)], key=step)
 
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         for step in range(start, self.total_steps):
             b = next(prefetch)
+            self.progress = step / self.total_steps
             loss, stats, counts, ntok = self.forward(b["examples"], scale=float(self.world), b=b)
             # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
             # eval, checkpoint, stop), so a bad step is caught before anything is saved

@@ -16,6 +16,20 @@ Training-time test (TTT), step k = 0..K-1, position t (features from target posi
   soft target      = target softmax over the draft vocab at position t+1+k (token t+2+k)
   trained iff      token t+2+k is assistant output and the target's argmax is in the draft vocab
   weight           = 0.8^k
+
+EAGLE-3.1 options (the fields vLLM's llama_eagle3 loader reads): `fc_norm` puts one RMSNorm per
+aux source before fc (fc(cat(norm_i(aux_i)))), `norm_output` carries the *normed* layer output to
+the next step (and to the next draft position at inference) instead of the pre-norm one.
+
+Objectives (`objective`): kl = soft cross-entropy against the target (KL up to a constant, the
+EAGLE-3 recipe); the LK losses (Samarin et al., 2026, "LK Losses: Direct Acceptance Rate
+Optimization for Speculative Decoding") optimise the expected acceptance α = Σ_v min(p_v, q_v)
+of each trained row directly:
+  lk-alpha   loss_k = -log(mean_rows α)                      (batch-mean α of TTT step k)
+  lk-lambda  loss_k = w·KL_k + (1 - w)·(1 - mean α),  w = LK_KL_SCALE·exp(-LK_KL_DECAY·mean α)
+             (w detached: a trust region that hands over from KL to α as acceptance grows)
+The batch mean is over the global batch: the α sums are all-reduced (detached), and each rank's
+share of -log(Σα/N) is written so that the ranks' gradients sum to the exact global gradient.
 """
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +51,8 @@ ATTENTION = {"eager": ttt_attention_eager, "lse": ttt_attention_lse, "flex": ttt
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
 # chunked linear + CE, the [rows, Vd] logits never exist at once.
 LOSSES = ("torch", "triton", "fused")
+OBJECTIVES = ("kl", "lk-alpha", "lk-lambda")
+LK_KL_SCALE, LK_KL_DECAY = 1.0, 3.0  # lk-lambda: w = 1 at α = 0, 0.05 at α = 1
 
 
 @dataclass
@@ -54,9 +70,11 @@ class Eagle3Config:
     target_hidden_size: int
     aux_layers: list[int] = field(default_factory=list)  # 0-based target layers whose outputs feed fc
     hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux source before fc
+    norm_output: bool = False  # EAGLE-3.1: carry norm(output) to the next step
 
     @classmethod
-    def from_target(cls, tc, draft_vocab_size: int, aux_layers: list[int]) -> "Eagle3Config":
+    def from_target(cls, tc, draft_vocab_size: int, aux_layers: list[int], **options) -> "Eagle3Config":
         """A draft shaped like one layer of the target (the EAGLE-3 recipe)."""
         rope = dict(getattr(tc, "rope_parameters", None) or {})
         if not rope:  # transformers 4.x style configs
@@ -76,6 +94,7 @@ class Eagle3Config:
             target_hidden_size=tc.hidden_size,
             aux_layers=list(aux_layers),
             hidden_act=getattr(tc, "hidden_act", "silu"),
+            **options,
         )
 
     def to_dict(self) -> dict:
@@ -156,6 +175,8 @@ class Eagle3Draft(nn.Module):
         if c.hidden_act != "silu":
             raise ValueError(f"EAGLE-3 draft supports silu MLPs, the target uses {c.hidden_act}")
         self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.aux_layers)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -165,6 +186,17 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     # ---- building blocks shared by training (TTT) and inference (KV-cached drafting) ----
+    def project(self, aux):
+        """fc over the concatenated aux hidden states [.., n_aux * H_t] (EAGLE-3.1: each source normed)."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(aux)
+
+    def carry(self, out):
+        """What a layer output hands to the next step / draft position as its hidden input."""
+        return self.norm(out) if self.config.norm_output else out
+
     def rope(self, positions_BT: torch.Tensor, dtype):
         freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -207,19 +239,20 @@ class Eagle3Draft(nn.Module):
 
     # ---- training: the TTT unroll ----
     def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch",
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, objective: str = "kl"):
         """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
         loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
         the global batch whatever the rank split. rows [K, R] (optional, from select_rows on the
         host): the trained rows of each step, so nothing here waits for the GPU (the default
         selects them on the device with nonzero(), a host sync per step). Returns the weighted
-        loss and detached per-step sums {loss_sum, correct} for logging."""
+        loss and detached per-step sums {loss_sum, correct} for logging (loss_sum: Σ CE for kl,
+        Σ (1 - α) for the LK objectives)."""
         attend = ATTENTION[attention]
         B, T, _ = batch.embeds.shape
         positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
         draft_ids = self.draft_ids
-        hidden = self.fc(batch.aux_hidden.to(self.fc.weight.dtype))
+        hidden = self.project(batch.aux_hidden)
         ks, vs, total = [], [], 0.0
         loss_sums, correct = [], []
         for k in range(ttt_length):
@@ -227,7 +260,7 @@ class Eagle3Draft(nn.Module):
             q, kk, vv = self.qkv(emb, hidden, positions + k)
             ks.append(kk)
             vs.append(vv)
-            hidden = self.finish(attend(q, ks, vs), hidden)
+            out = self.finish(attend(q, ks, vs), hidden)
             if rows is None:  # the head runs only where trained
                 acc_mask, loss_mask = masks[k]
                 sel = acc_mask.reshape(-1).nonzero().squeeze(1)
@@ -240,8 +273,13 @@ class Eagle3Draft(nn.Module):
                 src = torch.where(valid, sel + 1 + k, 0)
                 p, top = batch.target_p.reshape(B * T, -1)[src], batch.target_top.reshape(-1)[src]
                 weight = valid & self.t2d[top]
-            loss_sum, top_draft = self.head_loss(hidden.reshape(B * T, -1)[sel], p, weight, loss)
-            total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
+            if objective == "kl":
+                loss_sum, top_draft = self.head_loss(out.reshape(B * T, -1)[sel], p, weight, loss)
+                total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
+            else:
+                loss_k, loss_sum, top_draft = self.lk_loss(out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective)
+                total = total + (0.8**k) * loss_k
+            hidden = self.carry(out)
             loss_sums.append(loss_sum.detach())
             # rows the loss skips (target top token outside the draft vocab) report argmax -1
             # from the kernels; the draft cannot be right there anyway
@@ -260,6 +298,29 @@ class Eagle3Draft(nn.Module):
         logits = logits.float()
         ce = -(p_NV * logits.log_softmax(-1)).sum(-1)
         return (ce * mask_N).sum(), logits.argmax(-1)
+
+    def lk_loss(self, hidden_NH, p_NV, mask_N, n_global, objective: str):
+        """One TTT step of an LK objective -> (this rank's loss term, Σ (1 - α), argmax). The
+        probabilities are needed, so the head runs in plain torch whatever --loss says."""
+        logits = self.lm_head(self.norm(hidden_NH)).float()
+        logq = logits.log_softmax(-1)
+        w = mask_N.float()
+        alpha = torch.minimum(p_NV, logq.exp()).sum(-1)  # [N] expected acceptance of each row
+        s = (alpha * w).sum()
+        n = n_global.clamp(min=1).float()
+        g = _all_sum(s.detach().clone()).clamp(min=1e-8)  # Σα over the global batch
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if objective == "lk-alpha":
+            # value: this rank's share of -log(g / n); gradient: -ds / g (sums to d(-log mean α))
+            term = (s.detach() - s) / g - torch.log(g / n) / world
+        elif objective == "lk-lambda":
+            kl_w = LK_KL_SCALE * torch.exp(-LK_KL_DECAY * g / n)
+            ce = -(p_NV * logq).sum(-1)
+            term = (kl_w * (ce * w).sum() + (1 - kl_w) * ((1 - alpha) * w).sum()) / n
+        else:
+            raise ValueError(f"unknown objective {objective!r}: choose one of {OBJECTIVES}")
+        top = torch.where(w > 0, logits.argmax(-1), -1)
+        return term, ((1 - alpha) * w).sum(), top
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -295,6 +356,12 @@ def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids)
         target_top=target_top,
         loss_mask=loss_mask,
     )
+
+
+def _all_sum(x):
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(x)
+    return x
 
 
 def _shift(x, n: int):

@@ -206,7 +206,7 @@ class Eagle3Proposer(Proposer):
         if self.past is not None:  # drop speculative entries
             self.past = tuple(x[:, :, : self.n_real] for x in self.past)
         pos = torch.arange(self.n_real, N - 1, device=aux.device)[None]
-        hidden = self.draft.fc(aux[None].to(self.dtype))
+        hidden = self.draft.project(aux[None].to(self.dtype))
         out, self.past = self.draft.decode(self._emb(ids[self.n_real + 1 : N]), hidden, pos, self.past)
         self.n_real, self.h_last = N - 1, out[:, -1:]
 
@@ -247,7 +247,7 @@ class Eagle3Proposer(Proposer):
                     mask[0, 0, r, self.n_real + fed[a]] = True
                 mask[0, 0, r, L + r] = True
             emb = self._emb([tree.tokens[i] for i, _, _ in nodes])
-            hid = torch.cat([h for _, _, h in nodes], dim=1)
+            hid = d.carry(torch.cat([h for _, _, h in nodes], dim=1))  # EAGLE-3.1 norm_output carries norm(h)
             pos = torch.full((1, T), N - 2 + depth, device=emb.device)
             out, past = d.decode(emb, hid, pos, past, mask)
             fed.extend(range(L - self.n_real, L - self.n_real + T))

@@ -1,0 +1,107 @@
+"""Draft families behind one training runtime (DESIGN.md, "Strategy contract").
+
+A strategy is what differs between draft families; everything else is shared: train.py runs each
+one the same way (data, target or feature store, FSDP2, checkpoints, logs), export.py writes its
+serving dir, evaluate.py drafts with it. `train.py --strategy NAME` picks one of STRATEGIES.
+
+    features    target features the step reads: "aux" (outputs of the aux layers, always) and
+                "final" (final hidden state -> the target's distribution / argmax)
+    objectives  accepted --objective values, the first is the default
+    build       (cfg, target, token counts, tokenizer) -> the draft module (its file in models/)
+    host        host-side additions to a collated batch (TTT rows, block anchors, sampled depths),
+                made on the prefetch thread; random draws come from generators seeded by
+                (seed, batch key, index of the example in the global batch), so one rank and N
+                ranks, resumed runs and repeated evaluations see the same draws
+    make_batch  (features, batch on the device, target, draft) -> the draft's batch (no grad)
+    counts      the draft's batch -> [K, 2] (accuracy rows, loss rows) for its K drafted
+                positions; train.py sums them over ranks before the step, so each loss is a
+                mean over the global batch
+    step        (draft module, its batch, counts, cfg, b, progress) -> (loss,
+                {"loss_sum": [K], "correct": [K]}); acc_k / loss_k in the logs come from these
+    serving     export.py's format for it (None: no engine in reach loads it)
+
+K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
+slots (dflash, domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K).
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from data.vocab import build_vocab_mapping
+from models.eagle3 import OBJECTIVES as EAGLE3_OBJECTIVES
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
+from models.eagle3 import make_batch as eagle3_batch
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    features: tuple[str, ...]
+    objectives: tuple[str, ...]
+    build: Callable
+    host: Callable
+    make_batch: Callable
+    counts: Callable
+    step: Callable
+    config_cls: type
+    draft_cls: type
+    serving: str | None
+
+
+def generator(seed: int, key: int, example: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + key) * 65_537 + example) % (2**63))
+
+
+def pick_mask_token(tokenizer, counts: torch.Tensor) -> int:
+    """The token fed at masked / parallel slots (DFlash, DSpark, P-EAGLE): a special token that
+    never occurs in the training data (its frozen target embedding then carries no meaning of
+    its own), else the rarest token of the vocabulary."""
+    V = counts.numel()
+    specials = sorted({i for i in (tokenizer.all_special_ids or []) if i is not None and 0 <= i < V})
+    specials += sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if 0 <= i < V and i not in specials)
+    unused = [i for i in specials if counts[i] == 0]
+    return int(unused[-1]) if unused else int(counts.argmin())
+
+
+# ---------------------------------------------------------------- eagle3 (+ EAGLE-3.1, LK)
+def _eagle3_build(cfg, target, counts, tokenizer):
+    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+    draft = Eagle3Draft(c)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft
+
+
+def _eagle3_host(b, cfg, device, key, first=0):
+    if device.type == "cuda":  # host-chosen TTT rows: no nonzero() sync per step on the GPU
+        b["rows"] = select_rows(b["loss_mask"], cfg.ttt_length)
+    return b
+
+
+def _eagle3_make_batch(feats, b, target, draft):
+    return eagle3_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids)
+
+
+def _eagle3_step(module, batch, counts, cfg, b, progress):
+    return module(batch, cfg.ttt_length, counts, attention=cfg.attention, loss=cfg.loss, rows=b.get("rows"), objective=cfg.objective)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "eagle3": Strategy(
+        name="eagle3", features=("aux", "final"), objectives=EAGLE3_OBJECTIVES, build=_eagle3_build, host=_eagle3_host,
+        make_batch=_eagle3_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
+        step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3",
+    ),
+}
+
+
+def load_draft(meta: dict, state_dict: dict) -> torch.nn.Module:
+    """A checkpoint's config.json {strategy, draft, ...} and its tensors -> the fp32 draft (eval)."""
+    s = STRATEGIES.get(meta.get("strategy"))
+    if s is None:
+        raise ValueError(f"unknown strategy {meta.get('strategy')!r} (known: {', '.join(STRATEGIES)})")
+    draft = s.draft_cls(s.config_cls(**meta["draft"]))
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()}, strict=True)
+    return draft.eval()
