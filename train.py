@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from data.datasets import SHAREGPT_REGEN, GlobalBatches, build_examples, collate
 from data.feature_store import batch_features, open_for_training
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
+from disagg.config import DeployConfig, cli
 from models.eagle3 import ATTENTION, LOSSES, param_count
 from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
 from runlog import RunLog, run_metadata
@@ -101,6 +103,8 @@ class TrainConfig:
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (one rank only for now)"""
     progress: bool = True
+    deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
+    """disaggregated online training: producer and consumer pools (disagg/)"""
 
 
 def init_distributed(device_kind: str):
@@ -166,6 +170,10 @@ class Trainer:
         self.store = None
         if cfg.features:
             self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
+        elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
+            from disagg.roles import consumer_target
+
+            self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
         elif cfg.backend == "compiled":
             from models.fast_target import FastTarget
 
@@ -345,6 +353,14 @@ class Trainer:
         self.print(f"[resume] {d} at step {state['step']}")
         return state["step"]
 
+    # ---- hooks (disagg/roles.py's consumer overrides them) ----
+    def step_examples(self, step: int) -> list:
+        """This rank's examples of optimizer step `step`."""
+        return [self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)]
+
+    def after_step(self, step: int):
+        """Called after each optimizer step."""
+
     # ---- the loop ----
     def train(self) -> dict:
         cfg = self.cfg
@@ -364,7 +380,7 @@ class Trainer:
         t0, tokens = time.time(), 0
 
         def examples_of(step):
-            return self.host_batch([self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)], key=step)
+            return self.host_batch(self.step_examples(step), key=step)
 
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         for step in range(start, self.total_steps):
@@ -388,6 +404,7 @@ class Trainer:
             self.opt.step()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
+            self.after_step(step)
             tokens += ntok
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
@@ -440,4 +457,10 @@ def main(cfg: TrainConfig):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(TrainConfig))
+    cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
+    if cfg.deploy.role or cfg.deploy.producers:
+        from disagg.roles import main as disagg_main
+
+        disagg_main(cfg)
+    else:
+        main(cfg)
