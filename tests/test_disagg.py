@@ -270,3 +270,20 @@ def test_two_consumer_ranks_match_one(tmp_path, colocated, tiny_run_inputs):
     assert_same_curve(curve(colocated), curve(out), rel=1e-4)  # two-rank FSDP2 sums in another order
     for k, v in final_params(colocated).items():
         torch.testing.assert_close(final_params(out)[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def _mooncake_missing() -> str:
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except ImportError as e:  # not installed, or its libibverbs.so.1 is missing
+        return f"mooncake store unavailable: {e}"
+    return ""
+
+
+@pytest.mark.skipif(bool(_mooncake_missing()), reason=_mooncake_missing() or "x")
+def test_mooncake_transport_same_curve(tmp_path, colocated, tiny_run_inputs):
+    """Features through Mooncake's distributed store (master started by the launcher on loopback)."""
+    out, log = tmp_path / "mc", tmp_path / "mc.log"
+    finish(start(train_cmd(out, *tiny_run_inputs, ["--producers", 1, "--store", "mooncake://local", *FAST]), log), log)
+    assert_exactly_once(out / "pipeline")
+    assert_same_curve(curve(colocated), curve(out), rel=1e-5)
