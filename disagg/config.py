@@ -30,7 +30,7 @@ class DeployConfig:
     """feature transport: a directory (local or shared) or mooncake://HOST:PORT (the master's RPC
     address; the launcher starts a master on loopback for mooncake://local) (default --out/pipeline/features)"""
     worker_name: str = ""
-    """name of this producer in logs and the control database (default host-pid)"""
+    """name of this producer in its log lines (default w<id>; the control database also records host and pid)"""
     lease_size: int = 0
     """prompts a producer takes per lease, run through the target together (0 = the global batch)"""
     high_watermark: int = 0

@@ -251,14 +251,16 @@ class Controller:
     def wait_step(self, step: int, producer_timeout: float, poll: float = 0.05) -> list[SampleRef]:
         """Block until step's refs are all ready. Fails the run (for everyone) when no producer
         has been alive for producer_timeout seconds, counted from when this wait began."""
-        t0 = time.time()
+        t0 = last_reclaim = time.time()
         while True:
             refs = self.step_refs(step)
             if refs is not None:
                 return refs
             self.check()
-            with self.tx():
-                self._reclaim()
+            if time.time() - last_reclaim > 1.0:  # producers reclaim too, at every lease
+                with self.tx():
+                    self._reclaim()
+                last_reclaim = time.time()
             if not self.live_producers():
                 since = max(t0, self.last_producer_beat() or 0)
                 if time.time() - since > producer_timeout:

@@ -114,7 +114,7 @@ def produce(cfg):
     beat = Heartbeat(control_dir(cfg), wid, d.heartbeat)
     beat.start()
     print(f"[producer {name}] target {target_dir} ({dtype}), lease {n}, watermarks {low}/{high}, store {store_spec(cfg)}", flush=True)
-    leases, produced, t0 = 0, 0, time.time()
+    leases, produced, t0, idle = 0, 0, time.time(), 0.01
     try:
         while True:
             items = ctl.lease(wid, n, high, low)
@@ -124,8 +124,10 @@ def produce(cfg):
                     break
                 if state == "failed":
                     raise PipelineError(error)
-                time.sleep(0.02)
+                time.sleep(idle)  # a lease is a write transaction: back off while paused
+                idle = min(2 * idle, 0.2)
                 continue
+            idle = 0.01
             leases += 1
             fault_point(name, leases)  # tests: hang here holding a lease
             part = [samples[s] for _, s, _ in items]
@@ -264,10 +266,9 @@ def launch(cfg):
 
     d = cfg.deploy
     root = control_dir(cfg)
-    if not cfg.resume:  # a fresh run: no leases, refs or ledger of an earlier one
-        shutil.rmtree(root, ignore_errors=True)
-        if not d.store.startswith("mooncake://") and d.store:
-            shutil.rmtree(d.store, ignore_errors=True)
+    if not cfg.resume:  # a fresh run: no leases, refs or ledger of an earlier one (a --store of yours is left alone)
+        (root / "control.db").unlink(missing_ok=True)
+        shutil.rmtree(root / "features", ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
     master = None
     if d.store == "mooncake://local":
@@ -296,6 +297,8 @@ def launch(cfg):
                 if p.poll() is not None and i not in reported:
                     reported.add(i)
                     print(f"[launch] producer p{i} exited ({p.returncode}); its leases return to the pool", flush=True)
+                    if all(q.poll() not in (None, 0) for q in producers):  # none left to wait for
+                        Controller(root).fail(f"every producer exited with an error ({[q.returncode for q in producers]}); see their output above")
             time.sleep(0.2)
         if rc != 0:
             Controller(root).fail(f"the consumer exited with status {rc}")

@@ -252,15 +252,19 @@ def test_killed_consumer_restarts_from_ledger(tmp_path, colocated, tiny_run_inpu
 
 
 def test_all_producers_dead_fails_in_bounded_time(tmp_path, tiny_run_inputs):
-    out, log = tmp_path / "dis", tmp_path / "dis.log"
-    p = start(train_cmd(out, *tiny_run_inputs, ["--producers", 1, "--producer-timeout", 15, *FAST]), log, fault="hang:p0:3")
-    wait_until(lambda: "[fault] p0 hangs at 3" in log.read_text(), what="p0 to hang")
-    os.kill(worker_pid(out / "pipeline", "p0"), signal.SIGKILL)
+    """Pools started separately: the only producer dies; the consumer notices on its own."""
+    out, ctl_dir = tmp_path / "run", tmp_path / "ctl"
+    roles = ["--control", ctl_dir, "--store", tmp_path / "store", "--producer-timeout", 15, *FAST]
+    prod = start(train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log", fault="hang:w1:3")
+    cons = start(train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c.log")
+    wait_until(lambda: "[fault] w1 hangs at 3" in (tmp_path / "p.log").read_text(), what="the producer to hang")
+    prod.kill()
     t0 = time.time()
-    rc = p.wait(timeout=120)
-    took, text = time.time() - t0, log.read_text()
+    rc = cons.wait(timeout=120)
+    took, text = time.time() - t0, (tmp_path / "c.log").read_text()
     assert rc != 0 and took < 15 + 2 + 20, (took, text[-3000:])  # producer timeout + lease timeout + slack
     assert "error: all producers are gone: none has sent a heartbeat for" in text and "Traceback" not in text
+    assert Controller(ctl_dir).state()[0] == "failed"  # for every member: a producer started now exits
 
 
 def test_two_consumer_ranks_match_one(tmp_path, colocated, tiny_run_inputs):
