@@ -141,7 +141,8 @@ def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, opti
 
 
 def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
-    check_tensors(sd, c, where)
+    if not c.moe_experts:  # MoE drafts (research only) are not in the serving format; strict load below checks them
+        check_tensors(sd, c, where)
     draft = Eagle3Draft(c)
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True)
     return draft.eval()
@@ -233,6 +234,8 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
         raise ExportError(f"unknown dtype {dtype!r}: choose one of {tuple(DTYPES)}")
     draft, meta = load_checkpoint(ckpt)
     c, tdtype = draft.config, DTYPES[dtype]
+    if getattr(c, "moe_experts", 0):
+        raise ExportError(f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)")
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)
     sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}

@@ -48,6 +48,17 @@ def versions() -> dict:
     return out
 
 
+def peak_memory() -> dict:
+    """Peak memory of this process so far: the CUDA caching allocator's max allocated bytes (when
+    CUDA was used) and the peak resident set size (host)."""
+    import resource
+
+    out = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
 def run_metadata(cfg, world: int, device, extra: dict | None = None) -> dict:
     return {
         "config": dataclasses.asdict(cfg),
@@ -99,6 +110,7 @@ class RunLog:
         if not self.enabled:
             return
         self.meta["results"] = results
+        self.meta["peak_memory"] = peak_memory()
         (self.out / "run.json").write_text(json.dumps(self.meta, indent=1, default=str))
         if self.tb is not None:
             self.tb.close()

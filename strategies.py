@@ -67,7 +67,8 @@ def pick_mask_token(tokenizer, counts: torch.Tensor) -> int:
 # ---------------------------------------------------------------- eagle3 (+ EAGLE-3.1, LK)
 def _eagle3_build(cfg, target, counts, tokenizer):
     d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
-    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+    moe = {k: getattr(cfg, k) for k in Eagle3Config.__dataclass_fields__ if k.startswith("moe_") and hasattr(cfg, k)}  # MoE draft MLP
+    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe)
     draft = Eagle3Draft(c)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)

@@ -61,6 +61,16 @@ class TrainConfig:
     """EAGLE-3.1 (eagle3/peagle): one RMSNorm per aux source before fc"""
     norm_output: bool = False
     """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
+    moe_experts: int = 0
+    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/eagle3.py MoEMLP)"""
+    moe_top_k: int = 1
+    moe_shared: bool = False
+    """add one always-on shared expert"""
+    moe_mode: str = "flops"
+    """flops: the experts a token runs add up to the dense intermediate size (same active FLOPs); params: all
+    experts together do (same parameter count)"""
+    moe_aux_coef: float = 0.01
+    """weight of the Switch-Transformer load-balancing loss"""
     draft_layers: int = 1
     """decoder layers of the block drafters (dflash/domino/dspark)"""
     num_anchors: int = 32

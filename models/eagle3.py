@@ -72,6 +72,12 @@ class Eagle3Config:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux source before fc
     norm_output: bool = False  # EAGLE-3.1: carry norm(output) to the next step
+    # MoE draft MLP (SpecForge's draft-architecture ablation; see MoEMLP). 0 experts = dense MLP
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_shared: bool = False  # one always-on shared expert next to the routed ones
+    moe_mode: str = "flops"  # flops: same active FLOPs as the dense MLP | params: same parameter count
+    moe_aux_coef: float = 0.01  # Switch-Transformer load-balancing loss weight
 
     @classmethod
     def from_target(cls, tc, draft_vocab_size: int, aux_layers: list[int], **options) -> "Eagle3Config":
@@ -158,6 +164,87 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+MOE_MODES = ("flops", "params")
+
+
+def moe_expert_size(c: Eagle3Config) -> int:
+    """Intermediate size of one expert (the shared one included), from the dense size I:
+      flops   I // (top_k + shared): the experts a token runs (top_k routed + the shared one)
+              add up to I, so a token costs the dense MLP's FLOPs (+ the router); parameters
+              grow with the expert count (E=2..4 top-1: 2..4x the dense MLP's)
+      params  I // (E + shared): all experts together hold the dense MLP's parameters; a token
+              runs top_k of them (E=2 top-1: half the dense FLOPs)
+    Exact when the division is (SmolLM2: I = 1536 divides by 2, 3 and 4)."""
+    if c.moe_mode not in MOE_MODES:
+        raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {c.moe_mode!r}")
+    if not 1 <= c.moe_top_k <= c.moe_experts:
+        raise ValueError(f"moe_top_k must be in [1, moe_experts={c.moe_experts}], got {c.moe_top_k}")
+    n = (c.moe_top_k if c.moe_mode == "flops" else c.moe_experts) + int(c.moe_shared)
+    return c.intermediate_size // n
+
+
+def mlp_flops_per_token(c: Eagle3Config) -> int:
+    """Forward multiply-adds x2 of the draft MLP for one token (router included)."""
+    if not c.moe_experts:
+        return 2 * 3 * c.hidden_size * c.intermediate_size
+    active = (c.moe_top_k + int(c.moe_shared)) * moe_expert_size(c)
+    return 2 * 3 * c.hidden_size * active + 2 * c.hidden_size * c.moe_experts
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert (the dense MLP's shape at intermediate size `size`)."""
+
+    def __init__(self, hidden: int, size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, size, bias=False)
+        self.up_proj = nn.Linear(hidden, size, bias=False)
+        self.down_proj = nn.Linear(size, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEMLP(nn.Module):
+    """The draft MLP as a mixture of experts (SpecForge's MoE-draft ablation; sizes: moe_expert_size).
+
+    router: linear H -> E, softmax in fp32; each token keeps its top_k experts, weighted by their
+    softmax probabilities (not renormalised, as in Switch / DeepSeek-MoE, so top-1 routing still
+    trains the router); the shared expert (moe_shared) runs on every token with weight 1.
+    Load balance: the Switch Transformer loss E * sum_e f_e * P_e (f_e: share of the token-slot
+    assignments routed to e, P_e: mean router probability of e; 1 when balanced), left in
+    `aux_loss` after each call for the training loss to pick up (weight moe_aux_coef).
+
+    Every expert runs on every token and the unselected outputs get weight 0: no data-dependent
+    shapes, so no host syncs and nothing for torch.compile to break on. Training cost therefore
+    grows with E whatever the mode; the FLOPs of the *model* are mlp_flops_per_token."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        size = moe_expert_size(c)
+        self.top_k = c.moe_top_k
+        self.router = nn.Linear(c.hidden_size, c.moe_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(c.hidden_size, size) for _ in range(c.moe_experts))
+        self.shared_expert = Expert(c.hidden_size, size) if c.moe_shared else None
+        self.aux_loss = None
+
+    def route(self, x_NH):
+        """(gates [N, E] fp32: top-k softmax probabilities, 0 elsewhere; probs [N, E])."""
+        probs = self.router(x_NH).float().softmax(-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)
+        return torch.zeros_like(probs).scatter(-1, top_i, top_p), probs
+
+    def forward(self, x):
+        x_NH = x.reshape(-1, x.shape[-1])
+        gates, probs = self.route(x_NH)
+        E = len(self.experts)
+        f = (gates > 0).float().mean(0) / self.top_k  # [E] share of assignments
+        self.aux_loss = E * (f * probs.mean(0)).sum()
+        out = self.shared_expert(x_NH) if self.shared_expert is not None else torch.zeros_like(x_NH)
+        for e, expert in enumerate(self.experts):
+            out = out + gates[:, e : e + 1].to(x.dtype) * expert(x_NH)
+        return out.reshape(x.shape)
+
+
 class MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -165,7 +252,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp = MoEMLP(c) if c.moe_experts else MLP(c)
 
 
 class Eagle3Draft(nn.Module):
@@ -279,6 +366,8 @@ class Eagle3Draft(nn.Module):
             else:
                 loss_k, loss_sum, top_draft = self.lk_loss(out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective)
                 total = total + (0.8**k) * loss_k
+            if self.config.moe_experts:  # load balance, averaged over steps; a share per rank like the rest
+                total = total + self.config.moe_aux_coef * self.midlayer.mlp.aux_loss / (ttt_length * _world())
             hidden = self.carry(out)
             loss_sums.append(loss_sum.detach())
             # rows the loss skips (target top token outside the draft vocab) report argmax -1
@@ -362,6 +451,10 @@ def _all_sum(x):
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(x)
     return x
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def _shift(x, n: int):
