@@ -1,10 +1,12 @@
-"""Acceptance evaluation: speculative decoding of the target with a draft, in plain PyTorch.
+"""Acceptance evaluation: speculative decoding of the target with a draft (any family), in plain PyTorch.
 
     python evaluate.py runs/default                       # chain K=3 on MT-Bench, HumanEval, GSM8K
     python evaluate.py runs/default -k 7 --tree-topk 4 --tree-depth 5 --ngram --data mtbench
 
 DRAFT is a training checkpoint (ckpt/step_N), a run dir (its latest checkpoint) or an exported
-serving dir. Prints per dataset τ (tokens per target verification forward), the per-position
+serving dir, of any family: EAGLE-3 drafts chain (-k) and tree (--tree-topk); P-EAGLE drafts its
+K tokens in one parallel forward; DFlash drafts one block of K per step (K is the draft's,
+-k / --tree-* do not apply). Prints per dataset τ (tokens per target verification forward), the per-position
 acceptance rates, and the baselines (plain decoding: τ = 1; n-gram prompt lookup with --ngram),
 and ends with one JSON line. Every output is checked equal to plain greedy decoding of the
 target when --check-greedy is set (costs one more decode per prompt).
@@ -23,7 +25,7 @@ from typing import Annotated
 import torch
 import tyro
 
-from models.speculative import Eagle3Proposer, NgramProposer, Proposer, SpecStats, TargetRunner, speculative_generate
+from models.speculative import NgramProposer, Proposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -94,16 +96,19 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
     return st, time.time() - t0, turns_out
 
 
-def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, list[int], list[int], SpecStats]], max_new: int, out_dir: Path) -> dict:
+def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, list[int], list[int], SpecStats]], max_new: int, out_dir: Path,
+                   family: str = "eagle3") -> dict:
     """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
     vllm:spec_decode_* counters with ours, per dataset."""
-    from export import export, find_checkpoint
+    from export import export, find_checkpoint, vllm_method
     from tools.vllm_spec import run_job
 
     served = Path(draft_path)
     if not (served / "model.safetensors").exists():
         served = export(find_checkpoint(draft_path), out_dir / "export-vllm-fp32", engine="vllm", dtype="fp32", target=str(target_dir))
-    job = {"target": str(target_dir), "draft": str(served), "k": k, "prompts": [p for _, p, _, _ in turns], "max_tokens": max_new, "dtype": "float32", "max_model_len": 4096, "batch": False}
+    method, extra = vllm_method(family)
+    job = {"target": str(target_dir), "draft": str(served), "k": k, "prompts": [p for _, p, _, _ in turns], "max_tokens": max_new, "dtype": "float32",
+           "max_model_len": 4096, "batch": False, "method": method, "speculative_extra": extra}
     res = run_job(job, timeout=3600, log_path=out_dir / f"vllm_k{k}.log")
     agg: dict[str, dict] = {}
     for (ds, _, ours, st), theirs, m in zip(turns, res["outputs"], res["per_prompt"]):
@@ -176,10 +181,12 @@ def main(a: EvalArgs) -> dict:
     draft.to(dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
-    embed = model.get_input_embeddings()
-    proposers = [Eagle3Proposer(draft, embed, depth=k) for k in a.k]
-    if a.tree_topk:
-        proposers.append(Eagle3Proposer(draft, embed, depth=a.tree_depth, topk=a.tree_topk))
+    if draft.family == "eagle3":
+        proposers = [proposer_for(draft, model, depth=k) for k in a.k]
+        if a.tree_topk:
+            proposers.append(proposer_for(draft, model, depth=a.tree_depth, topk=a.tree_topk))
+    else:  # the K the draft was trained for, one proposal per step
+        proposers = [proposer_for(draft, model)]
     if a.ngram:
         proposers.append(NgramProposer(a.k[0]))
     result = {
@@ -194,7 +201,7 @@ def main(a: EvalArgs) -> dict:
         result["results"][ds] = {}
         for p in proposers:
             st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
-            if isinstance(p, Eagle3Proposer) and p.topk == 1:
+            if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM
                 replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()
             s["seconds"] = round(sec, 1)
@@ -209,7 +216,7 @@ def main(a: EvalArgs) -> dict:
         result["vllm"] = {}
         with tempfile.TemporaryDirectory() as tmp:
             for k, turns in replay.items():
-                agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp))
+                agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
                 result["vllm"][f"chain{k}"] = agree
                 for ds, r in agree.items():
                     print(f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} ({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}", flush=True)

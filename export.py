@@ -1,4 +1,5 @@
-"""Training checkpoint -> serving directory (EAGLE-3 draft for vLLM or SGLang).
+"""Training checkpoint -> serving directory (EAGLE-3 / EAGLE-3.1 for vLLM or SGLang; P-EAGLE and
+DFlash for vLLM).
 
     python export.py runs/default [--out DIR] [--engine vllm|sglang] [--dtype bf16|fp32] [--with-embeddings]
 
@@ -11,6 +12,21 @@ engines' `LlamaForCausalLMEagle3` loaders read (DESIGN.md, "Serving formats"):
   midlayer.mlp.{gate,up,down}_proj.weight   norm.weight [H]   lm_head.weight [Vd, H]
   d2t int64 [Vd] (target_id = draft_id + d2t[draft_id])   t2d bool [V]
   embed_tokens.weight [V, H] only with --with-embeddings (the engines otherwise share the target's)
+
+P-EAGLE (vLLM 0.32 llama_eagle3.py + llm_base_proposer.py, speculative_config parallel_drafting):
+the EAGLE-3 dir plus `mask_hidden` [n_aux*H_t] (vLLM feeds fc(mask_hidden) to the parallel slots)
+and config `mask_token_id` (the token those slots are fed).
+
+DFlash (vLLM 0.32 models/qwen3_dflash.py): config.json
+with architectures ["DFlashDraftModel"], model_type qwen3, Qwen3 layer
+fields, num_hidden_layers, block_size, dflash_config {mask_token_id, target_layer_ids,
+use_aux_hidden_state}; model.safetensors with fc.weight, hidden_norm.weight,
+layers.{i}.{input_layernorm,post_attention_layernorm}.weight,
+layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight. No lm_head / embed_tokens: the drafts use the target's
+frozen ones and vLLM shares them when the checkpoint has none. dflash_config.target_layer_ids
+are our layer-output indices: vLLM adds 1 (get_eagle3_aux_layers_from_config) to get its capture
+ids, which are HF hidden_states indices (see below), so no conversion is written here.
 
 This file alone knows the engines' conventions. Aux layer ids, checked in the engines' code:
 
@@ -48,6 +64,9 @@ import torch
 import tyro
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.peagle import PEagleConfig, PEagleDraft
+from strategies import STRATEGIES
+from strategies import load_draft as load_strategy_draft
 
 ENGINES = ("vllm", "sglang")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -112,6 +131,8 @@ def expected_shapes(c: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.d
     }
     if c.fc_norm:  # EAGLE-3.1
         shapes.update({f"fc_norm.{i}.weight": ((c.target_hidden_size,), None) for i in range(len(c.aux_layers))})
+    if isinstance(c, PEagleConfig):  # P-EAGLE: the stand-in aux hidden states of the parallel slots
+        shapes["mask_hidden"] = ((len(c.aux_layers) * c.target_hidden_size,), None)
     return shapes
 
 
@@ -143,13 +164,13 @@ def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, opti
 def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
     if not c.moe_experts:  # MoE drafts (research only) are not in the serving format; strict load below checks them
         check_tensors(sd, c, where)
-    draft = Eagle3Draft(c)
+    draft = PEagleDraft(c) if isinstance(c, PEagleConfig) else Eagle3Draft(c)
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True)
     return draft.eval()
 
 
-def load_checkpoint(path: str | Path) -> tuple[Eagle3Draft, dict]:
-    """A training checkpoint -> (fp32 Eagle3Draft, its config.json {strategy, draft, target})."""
+def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
+    """A training checkpoint -> (fp32 draft of its strategy, its config.json {strategy, draft, target})."""
     from safetensors.torch import load_file
 
     d = find_checkpoint(path)
@@ -157,8 +178,14 @@ def load_checkpoint(path: str | Path) -> tuple[Eagle3Draft, dict]:
     if not meta_path.exists():
         raise ExportError(f"{d}: config.json is missing")
     meta = json.loads(meta_path.read_text())
-    if meta.get("strategy") != "eagle3":
-        raise ExportError(f"{d}: strategy {meta.get('strategy')!r} cannot be exported as EAGLE-3")
+    if meta.get("strategy") not in STRATEGIES:
+        raise ExportError(f"{d}: unknown strategy {meta.get('strategy')!r} (known: {', '.join(STRATEGIES)})")
+    if meta["strategy"] != "eagle3":
+        meta["checkpoint"] = str(d)
+        try:
+            return load_strategy_draft(meta, load_file(d / "draft.safetensors")), meta
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise ExportError(f"{d}: cannot load the {meta['strategy']} draft: {e}") from None
     try:
         c = Eagle3Config(**meta["draft"])
     except (KeyError, TypeError) as e:
@@ -226,8 +253,6 @@ def _target_config(target_dir: str | Path | None, c: Eagle3Config) -> dict:
 def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str = "bf16", with_embeddings: bool = False, target: str | None = None) -> Path:
     """Write the serving dir; returns it. The write goes through a temporary dir renamed into
     place, so a failed export never leaves a dir that looks complete."""
-    from safetensors.torch import save_file
-
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}: choose one of {ENGINES}")
     if dtype not in DTYPES:
@@ -238,27 +263,107 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
         raise ExportError(f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)")
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)
+    family = STRATEGIES[meta["strategy"]].serving
+    if family is None:
+        raise ExportError(f"strategy {meta['strategy']!r}: no serving engine here loads it (README, 'Draft families')")
+    if family in BLOCK_FAMILIES:
+        if engine != "vllm" or with_embeddings:
+            raise ExportError(f"{family}: only the vLLM format is written (no embeddings: vLLM shares the target's)")
+        cfg, sd = block_serving(draft, family, tc, tdtype)
+        return _write(out, cfg, sd, {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None,
+                                     "checkpoint": meta["checkpoint"], "strategy": meta["strategy"]})
     sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     if with_embeddings:
         if c.hidden_size != c.target_hidden_size:
             raise ExportError("--with-embeddings needs the draft's hidden size to equal the target's")
         sd["embed_tokens.weight"] = _target_embeddings(target_dir).to(tdtype).contiguous()
     check_tensors(sd, c, "export")
+    cfg = serving_config(c, tc, engine, tdtype)
+    prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
+    if family == "peagle":
+        if engine != "vllm":
+            raise ExportError("peagle: only the vLLM format is written (SGLang has no EAGLE-3 parallel drafting here)")
+        # vLLM (llm_base_proposer.py) feeds mask slots the token config.mask_token_id and the hidden
+        # state fc(mask_hidden) when speculative_config has parallel_drafting=True
+        cfg["mask_token_id"] = c.mask_token_id
+        prov["depths"] = c.depths  # K it was trained for (vLLM takes K from num_speculative_tokens)
+    return _write(out, cfg, sd, prov)
+
+
+def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
+    from safetensors.torch import save_file
+
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = serving_config(c, tc, engine, tdtype)
-    cfg["nanospec_export"] = {  # provenance, ignored by the engines
-        "engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None,
-        "checkpoint": meta["checkpoint"], "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+    cfg["nanospec_export"] = {**provenance, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # ignored by the engines
     save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def vllm_method(family: str) -> tuple[str, dict]:
+    """vLLM's speculative_config method (+ extra settings) that serves a draft family."""
+    methods = {"eagle3": ("eagle3", {}), "peagle": ("eagle3", {"parallel_drafting": True}), "dflash": ("dflash", {})}
+    if family not in methods:
+        raise ExportError(f"vLLM has no loader for {family!r} drafts")
+    return methods[family]
+
+
+# ---- block drafters (DFlash family) ----
+BLOCK_FAMILIES = {"dflash": "DFlashDraftModel"}  # family -> vLLM architecture
+
+
+def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(config.json, tensors) of a DFlash serving dir for vLLM."""
+    c = draft.config
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
+    cfg = {
+        "architectures": [BLOCK_FAMILIES[family]],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act, "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size, "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+        "block_size": c.block_size,
+        # target_layer_ids: our layer-output indices (vLLM adds 1, see the module doc); causal: the
+        # block attends to itself both ways (qwen3_dflash.py _dflash_layer_causal)
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True, "causal": False},
+        "torch_dtype": HF_DTYPE_NAMES[dtype], "dtype": HF_DTYPE_NAMES[dtype],
+    }
+    rope = {k: target_config[k] for k in ROPE_FIELDS if target_config.get(k) is not None}
+    cfg.update(rope or {"rope_parameters": c.rope_parameters})
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if k in target_config:
+            cfg[k] = target_config[k]
+    want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    if want != got or not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
+        raise ExportError(f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "
+                          f"unexpected {sorted(set(got) - set(want))}) or are not finite")
+    return cfg, sd
+
+
+def block_config_from_serving(cfg: dict):
+    """A DFlash serving config.json -> (strategy name, its draft config)."""
+    family = next((f for f, arch in BLOCK_FAMILIES.items() if cfg.get("architectures") == [arch]), None)
+    if family is None:
+        raise ExportError(f"architectures {cfg.get('architectures')} is not a DFlash draft")
+    d = cfg.get("dflash_config", {})
+    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+    kw = dict(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
+        rope_parameters=dict(rope), max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), aux_layers=list(d["target_layer_ids"]),
+        num_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"], mask_token_id=d["mask_token_id"], hidden_act=cfg.get("hidden_act", "silu"),
+    )
+    return family, STRATEGIES[family].config_cls(**kw)
 
 
 def _target_embeddings(target_dir) -> torch.Tensor:
@@ -298,17 +403,29 @@ def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
         raise ExportError(f"serving config lacks field {e}") from None
     if prov.get("aux_layer_outputs") is not None and prov["aux_layer_outputs"] != c.aux_layers:
         raise ExportError(f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}")
+    if "mask_token_id" in cfg:  # P-EAGLE (parallel drafting)
+        from dataclasses import asdict
+
+        c = PEagleConfig(**asdict(c), mask_token_id=int(cfg["mask_token_id"]), depths=int(prov.get("depths", 4)))
     return c
 
 
-def load_exported(path: str | Path, engine: str | None = None) -> tuple[Eagle3Draft, dict]:
-    """A serving dir -> (fp32 Eagle3Draft, its config.json)."""
+def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """A serving dir -> (fp32 draft, its config.json)."""
     from safetensors.torch import load_file
 
     p = Path(path)
     if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
         raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
     cfg = json.loads((p / "config.json").read_text())
+    if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES.values()]:
+        family, c = block_config_from_serving(cfg)
+        draft = STRATEGIES[family].draft_cls(c)
+        try:
+            draft.load_state_dict({k: v.float() for k, v in load_file(p / "model.safetensors").items()}, strict=True)
+        except RuntimeError as e:
+            raise ExportError(f"{p}: {e}") from None
+        return draft.eval(), cfg
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ExportError(f"{p}: architectures {cfg.get('architectures')} is not an EAGLE-3 draft")
     return _draft_from(load_file(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg

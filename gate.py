@@ -2,6 +2,7 @@
 served by a real engine with near-perfect acceptance and the target's own greedy text.
 
     python gate.py [--out runs/gate] [--k 3] [--ckpt DIR --sample runs/gate/sample.json]
+    python gate.py --strategy dflash|peagle [--train-args --fc-norm --norm-output]   # other families
 
   1 sample  pick the first prompt of --data that renders with the target's chat template, fits
             --max-prompt-tokens and round-trips through the tokenizer; its assistant turn is the
@@ -12,7 +13,7 @@ served by a real engine with near-perfect acceptance and the target's own greedy
             acc_k >= --min-acc for every k < K; the exact final checkpoint is kept.
   3 serve   export it (export.py), load the export back, decode the prompt in PyTorch (greedy
             reference + our acceptance), then vLLM (own virtualenv, created if missing) with
-            EAGLE-3 and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
+            the family's speculative method and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
             require τ_vllm - 1 >= --min-accept * K and served tokens == the greedy reference.
 Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>`.
 With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint.
@@ -38,6 +39,10 @@ class GateFailure(Exception):
 @dataclass
 class GateConfig:
     out: str = "runs/gate"
+    strategy: str = "eagle3"
+    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash (README, 'Draft families')"""
+    train_args: tuple[str, ...] = ()
+    """more train.py flags for the overfit run, e.g. --fc-norm --norm-output (EAGLE-3.1)"""
     target: str = "smollm2"
     """HF dir, .gguf or 'smollm2'"""
     data: str = "sharegpt"
@@ -170,6 +175,7 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         "--num-records", "1", "--holdout", "0", "--max-len", str(cfg.max_len), "--batch-size", "1",
         "--draft-vocab-size", str(cfg.draft_vocab_size), "--ttt-length", str(ttt), "--steps", str(cfg.max_steps),
         "--stop-after", str(cfg.chunk), "--lr", str(cfg.lr), "--warmup", "5", "--out", str(run), "--no-progress", "--device", "cpu",
+        "--strategy", cfg.strategy, "--num-anchors", "1024", *cfg.train_args,  # block drafters: a block at every anchor
     ]
     if run.exists():
         import shutil
@@ -210,7 +216,14 @@ def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_t
     from tools.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv, run_job
 
     venv = DEFAULT_VENV if not cfg.vllm_venv else Path(cfg.vllm_venv) if Path(cfg.vllm_venv).is_absolute() else ROOT / cfg.vllm_venv
-    job = {"target": target, "draft": str(draft), "k": cfg.k, "prompts": [prompt], "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024}
+    from export import ExportError, vllm_method
+
+    try:
+        method, extra = vllm_method(cfg.strategy)
+    except ExportError as e:
+        raise GateFailure("serve", str(e)) from None
+    job = {"target": target, "draft": str(draft), "k": cfg.k, "prompts": [prompt], "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024,
+           "method": method, "speculative_extra": extra}
     try:
         ensure_venv(venv, log)
         return run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
@@ -223,7 +236,7 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from export import ExportError, export, load_exported
-    from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
+    from models.speculative import Proposer, TargetRunner, proposer_for, speculative_generate
 
     serving = out / "export-vllm"
     try:
@@ -236,7 +249,7 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     prompt, n = sample["prompt_ids"], sample["served_tokens"]
     runner = TargetRunner(model, draft.config.aux_layers)
     ref, _ = speculative_generate(runner, Proposer(), prompt, n, sample["eos_ids"])
-    ours, st = speculative_generate(runner, Eagle3Proposer(draft, model.get_input_embeddings(), cfg.k), prompt, n, sample["eos_ids"])
+    ours, st = speculative_generate(runner, proposer_for(draft, model, depth=cfg.k), prompt, n, sample["eos_ids"])
     ours_tau = st.summary()["tau"]
     log(f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}")
     if ours != ref:

@@ -21,7 +21,7 @@ serving dir, evaluate.py drafts with it. `train.py --strategy NAME` picks one of
     serving     export.py's format for it (None: no engine in reach loads it)
 
 K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
-slots (dflash, domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K).
+slots (dflash: blocks of K + 1 with the clean anchor first).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -29,9 +29,12 @@ from typing import Callable
 import torch
 
 from data.vocab import build_vocab_mapping
+from models.dflash import OBJECTIVES as DFLASH_OBJECTIVES
+from models.dflash import DFlashConfig, DFlashDraft, block_counts, block_host, make_block_batch
 from models.eagle3 import OBJECTIVES as EAGLE3_OBJECTIVES
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
 from models.eagle3 import make_batch as eagle3_batch
+from models.peagle import PEagleConfig, PEagleDraft, make_peagle_batch, peagle_counts, peagle_host
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def generator(seed: int, key: int, example: int) -> torch.Generator:
 
 
 def pick_mask_token(tokenizer, counts: torch.Tensor) -> int:
-    """The token fed at masked / parallel slots (DFlash, DSpark, P-EAGLE): a special token that
+    """The token fed at masked / parallel slots (DFlash, P-EAGLE): a special token that
     never occurs in the training data (its frozen target embedding then carries no meaning of
     its own), else the rarest token of the vocabulary."""
     V = counts.numel()
@@ -89,11 +92,63 @@ def _eagle3_step(module, batch, counts, cfg, b, progress):
     return module(batch, cfg.ttt_length, counts, attention=cfg.attention, loss=cfg.loss, rows=b.get("rows"), objective=cfg.objective)
 
 
+# ---------------------------------------------------------------- block drafters (DFlash family)
+def _block_host(b, cfg, device, key, first=0):
+    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i))
+
+
+def _block_make_batch(feats, b, target, draft, target_p=False, prev_embeds=False):
+    c = draft.config
+    return make_block_batch(feats, b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"], target.embed_tokens, target.lm_head,
+                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds)
+
+
+def _block_attention(cfg) -> str:
+    return "flex" if cfg.attention == "flex" else "dense"
+
+
+def _dflash_build(cfg, target, counts, tokenizer):
+    c = DFlashConfig.from_target(target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    return DFlashDraft(c)
+
+
+def _dflash_step(module, batch, counts, cfg, b, progress):
+    return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=_block_attention(cfg))
+
+
+# ---------------------------------------------------------------- peagle
+def _peagle_build(cfg, target, counts, tokenizer):
+    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
+    c = PEagleConfig.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+                                 mask_token_id=pick_mask_token(tokenizer, counts), depths=cfg.ttt_length)
+    draft = PEagleDraft(c)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft
+
+
+def _peagle_make_batch(feats, b, target, draft):
+    return make_peagle_batch(feats, b["input_ids"], b["loss_mask"], b["pe_pos"], b["pe_depth"], b["pe_doc"], target.embed_tokens, target.lm_head,
+                             draft.draft_ids, draft.t2d, draft.config.mask_token_id)
+
+
 STRATEGIES: dict[str, Strategy] = {
     "eagle3": Strategy(
         name="eagle3", features=("aux", "final"), objectives=EAGLE3_OBJECTIVES, build=_eagle3_build, host=_eagle3_host,
         make_batch=_eagle3_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
         step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3",
+    ),
+    "peagle": Strategy(
+        name="peagle", features=("aux", "final"), objectives=("kl",), build=_peagle_build,
+        host=lambda b, cfg, device, key, first=0: peagle_host(b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)),
+        make_batch=_peagle_make_batch, counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
+        step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
+        config_cls=PEagleConfig, draft_cls=PEagleDraft, serving="peagle",
+    ),
+    "dflash": Strategy(
+        name="dflash", features=("aux",), objectives=DFLASH_OBJECTIVES, build=_dflash_build, host=_block_host,
+        make_batch=_block_make_batch, counts=lambda batch, draft, cfg: block_counts(batch), step=_dflash_step,
+        config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash",
     ),
 }
 

@@ -256,6 +256,8 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
+    family = "eagle3"
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         c = self.config = config

@@ -1,4 +1,5 @@
-"""Speculative decoding of a Hugging Face target with an EAGLE-3 draft, in plain PyTorch: the
+"""Speculative decoding of a Hugging Face target with a draft of any family (EAGLE-3 chain / tree,
+P-EAGLE parallel proposals, DFlash block proposals), in plain PyTorch: the
 reference measurement of τ (tokens per target forward) that the serving engines are checked
 against. Greedy only, batch 1, both models with KV caches.
 
@@ -259,6 +260,74 @@ class Eagle3Proposer(Proposer):
                 r, tok = divmod(flat, lp.shape[1])
                 frontier.append((s, tok, nodes[r][0], out[:, r : r + 1]))
         return tree
+
+
+class PEagleProposer(Eagle3Proposer):
+    """P-EAGLE parallel drafting: the EAGLE-3 catch-up, then K tokens from one draft forward:
+    depth 0 from the last committed position's output, depths 1..K-1 from K-1 slots at positions
+    N-1 .. N+K-3 fed the mask token and fc(mask_hidden), attending the draft cache and causally
+    to each other (vLLM's parallel_drafting layout)."""
+
+    def __init__(self, draft, embed_tokens):
+        super().__init__(draft, embed_tokens, depth=draft.K)
+        self.name = f"peagle-parallel{draft.K}"
+
+    @torch.no_grad()
+    def propose(self, ids) -> Tree:
+        d, N, K = self.draft, len(ids), self.depth
+        toks = [int(d.logits(self.h_last[0, -1]).argmax())]
+        if K > 1:
+            emb = self._emb([d.config.mask_token_id] * (K - 1))
+            hid = d.project(d.mask_hidden.to(self.dtype)).expand(1, K - 1, -1)
+            pos = torch.arange(N - 1, N + K - 2, device=emb.device)[None]
+            out, _ = d.decode(emb, hid, pos, self.past)  # causal among the slots, full view of the cache
+            toks += d.logits(out[0]).argmax(-1).tolist()
+        return Tree([int(self.draft_ids[t]) for t in toks], list(range(-1, K - 1)))
+
+
+class BlockProposer(Proposer):
+    """Block drafting (DFlash): each step drafts one block of K tokens anchored at the newest
+    committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
+    committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
+    precompute) and extends it with the rows the target verified."""
+
+    needs_aux = True
+
+    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash"):
+        self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
+        self.name, self.depth = f"{family}-block{draft.K}", draft.K
+        self.kv, self.n_ctx = None, 0
+
+    @torch.no_grad()
+    def _catch_up(self, ids, aux):
+        N = len(ids)
+        ctx = self.draft.context(aux[None])
+        new = self.draft.context_kv(ctx, torch.arange(self.n_ctx, N - 1, device=ctx.device)[None])
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.n_ctx = N - 1
+
+    def prefill(self, ids, aux):
+        self.kv, self.n_ctx = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    def propose(self, ids) -> Tree:
+        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        return Tree(list(toks), list(range(-1, len(toks) - 1)))
+
+
+def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Proposer:
+    """The PyTorch proposer of a draft (any family) for an HF target `model`. depth / topk apply
+    to EAGLE-3 (chain of `depth`, or a top-k tree); the other families draft the K tokens they
+    were trained for."""
+    embed = model.get_input_embeddings()
+    if draft.family == "eagle3":
+        return Eagle3Proposer(draft, embed, depth=depth or 3, topk=topk)
+    if draft.family == "peagle":
+        return PEagleProposer(draft, embed)
+    return BlockProposer(draft, embed, model.get_output_embeddings().weight, draft.family)
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ and `main`, which runs inside that venv:
     .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
 
 job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
+           "method": "eagle3" (default) | "dflash" (any vLLM method), "speculative_extra": {more speculative_config},
            "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
            "max_model_len": 2048, "batch": true}
 result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draft_tokens",
@@ -103,7 +104,8 @@ def main(job_path: str, result_path: str):
 
     kw = {}
     if job.get("draft"):
-        kw["speculative_config"] = {"method": "eagle3", "model": job["draft"], "num_speculative_tokens": int(job["k"])}
+        kw["speculative_config"] = {"method": job.get("method", "eagle3"), "model": job["draft"], "num_speculative_tokens": int(job["k"]),
+                                    **job.get("speculative_extra", {})}
     llm = LLM(
         model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=int(job.get("max_model_len", 2048)),
         enforce_eager=True, disable_log_stats=False, seed=0, **kw,

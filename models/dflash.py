@@ -1,0 +1,310 @@
+"""DFlash block-diffusion drafter (Chen et al., 2026, "DFlash: Block Diffusion for Flash
+Speculative Decoding") and its objectives: per-slot hard CE (optionally decayed) and D-PACE.
+
+Architecture (names are vLLM's qwen3_dflash.py loader's, DESIGN.md "Serving formats"):
+  fc [n_aux*H_t -> H], hidden_norm [H]      context c_j = hidden_norm(fc(aux_j)) for target position j
+  layers.i: input_layernorm, self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm (per head),
+            post_attention_layernorm, mlp.{gate,up,down}_proj      (Qwen3 decoder layers)
+  norm [H]
+  the target's embeddings and lm_head (frozen, not owned: the engine shares the target's)
+Every layer reads the context through its own k/v projections of c (k_norm and rope on k, no
+query), the block tokens through the ordinary residual stream.
+
+A block anchored at sequence position a (a token the target has committed) holds B = K + 1 slots
+at positions a .. a+K: slot 0 = the anchor token (clean), slots 1..K = the mask token. Slot k
+predicts token a + k (drafted token k-1). The block attends to context keys j < a (the target
+has hidden states only for positions before the newest token) and to all of its own slots
+(bidirectional); never to another block (kernels/masks.py dflash_mask).
+
+Training (SpecForge's recipe): per sequence up to `num_anchors` random anchors a with a >= 1 and
+token a+1 trained (assistant); labels are the data tokens a+1 .. a+K, each trained iff it is
+assistant output and inside the sequence.
+  ce     loss = Σ w_k·nll / Σ w_k over trained slots, w_k = exp(-(k-1)/gamma) (gamma = loss_decay; 0 = 1)
+  dpace  D-PACE (prefix-acceptance-weighted CE): with q_k the draft's (detached) probability of
+         the label at slot k, s_k = (1-β)·q_k + β (β = 0.5) and the prefix estimate
+         P_k = Π_{j<=k} s_j, slot k is weighted by the detached suffix sum Σ_{j>=k} P_j (the
+         expected accepted length its correct prediction unlocks); loss = Σ w·nll / #blocks.
+acc_k (k = 0..K-1) = the draft's argmax at slot k+1 equals the data token a+k+1.
+"""
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.ce import hard_cross_entropy
+from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
+from models.eagle3 import MLP, RMSNorm, apply_rope, rope_inv_freq
+
+OBJECTIVES = ("ce", "dpace")
+DPACE_BETA = 0.5  # smoothing of the prefix-acceptance estimate (SpecForge's default)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    vocab_size: int
+    target_hidden_size: int
+    aux_layers: list[int] = field(default_factory=list)
+    num_layers: int = 1
+    block_size: int = 8  # slots per block (dflash/domino: K + 1; dspark: K)
+    mask_token_id: int = 0
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, tc, aux_layers, block_size: int, mask_token_id: int, num_layers: int = 1, **extra):
+        """Layers shaped like the target's (the DFlash recipe), a block of block_size slots."""
+        from models.eagle3 import Eagle3Config
+
+        e = Eagle3Config.from_target(tc, tc.vocab_size, aux_layers)
+        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "rope_parameters", "max_position_embeddings", "vocab_size", "target_hidden_size", "aux_layers", "hidden_act")
+        return cls(**{k: getattr(e, k) for k in keep}, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id, **extra)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        H, D = c.hidden_size, c.head_dim
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        self.q_norm = RMSNorm(D, c.rms_norm_eps)
+        self.k_norm = RMSNorm(D, c.rms_norm_eps)
+
+    def _heads(self, x, n):
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)
+
+    def kv(self, x_BTH, cos, sin):
+        """k (k_norm + rope), v [B, Hkv, T, D] of the context or of block tokens."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x_BTH), self.n_kv)), cos, sin)
+        return k, self._heads(self.v_proj(x_BTH), self.n_kv)
+
+    def q(self, x_BTH, cos, sin):
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x_BTH), self.n_heads)), cos, sin)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = BlockAttention(c)
+        self.mlp = MLP(c)
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attend):
+        """x [B, Q, H] block tokens; ctx_k/v [B, Hkv, T, D]; attend(q, k, v) over [ctx | block]."""
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        k, v = a.kv(h, cos, sin)
+        o = attend(a.q(h, cos, sin), torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2))
+        B, _, Q, _ = o.shape
+        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class BlockBatch:
+    """Target-side tensors of one block-drafter step. n blocks per sequence, bs slots each,
+    K drafted tokens per block (drafted token k is sequence position anchor + k + 1)."""
+
+    aux_hidden: torch.Tensor  # [B, T, n_aux*H_t]
+    block_embeds: torch.Tensor  # [B, n*bs, H] target embeddings of the block tokens (anchor / mask)
+    block_pos: torch.Tensor  # [B, n*bs] rope positions (anchor + slot)
+    anchors: torch.Tensor  # [B, n] (0 for unused blocks, which see only themselves)
+    labels: torch.Tensor  # [B, n, K] data token of drafted token k
+    weights: torch.Tensor  # [B, n, K] 1 = trained
+    prev_ids: torch.Tensor  # [B, n, K] token before drafted token k (anchor, then labels)
+    head: torch.Tensor  # [V, H] the target's lm_head weight (frozen)
+    target_p: torch.Tensor | None = None  # [B, n, K, V] target distribution of drafted token k (dspark)
+    prev_embeds: torch.Tensor | None = None  # [B, n, K, H] target embeddings of prev_ids (domino)
+
+
+def sample_anchors(loss_mask: list[int], n: int, gen: torch.Generator) -> list[int]:
+    """Up to n distinct anchors a (sorted) with a >= 1 and token a+1 trained; [] if none."""
+    valid = [a for a in range(1, len(loss_mask) - 1) if loss_mask[a + 1]]
+    if len(valid) <= n:
+        return valid
+    pick = torch.randperm(len(valid), generator=gen)[:n].sort().values
+    return [valid[i] for i in pick.tolist()]
+
+
+def block_host(b: dict, num_anchors: int, gen_of) -> dict:
+    """Anchors of a collated batch: b["anchors"] [B, n] (0 = unused block), n = the most any
+    sequence has (<= num_anchors). gen_of(i) is example i's generator."""
+    lengths = b["attention_mask"].sum(1).tolist()
+    picks = [sample_anchors(b["loss_mask"][i, :L].tolist(), num_anchors, gen_of(i)) for i, L in enumerate(lengths)]
+    n = max(1, max(len(p) for p in picks))
+    anchors = torch.zeros(len(picks), n, dtype=torch.long)
+    for i, p in enumerate(picks):
+        anchors[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    b["anchors"] = anchors
+    return b
+
+
+@torch.no_grad()
+def make_block_batch(features, input_ids, loss_mask, attention_mask, anchors, embed_tokens, lm_head, K: int, block_size: int,
+                     mask_token_id: int, target_p: bool = False, prev_embeds: bool = False) -> BlockBatch:
+    """Blocks of block_size slots at the anchors: slot 0 = the anchor token, the rest the mask
+    token; positions anchor + slot. DFlash (block_size = K + 1) predicts at slots 1..K, DSpark
+    (block_size = K) at slots 0..K-1: either way drafted token k is position anchor + k + 1."""
+    B, T = input_ids.shape
+    n = anchors.shape[1]
+    lengths = attention_mask.sum(1)
+    keep = anchors > 0
+    slot = torch.arange(block_size, device=input_ids.device)
+    ids = torch.full((B, n, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = torch.where(keep, input_ids.gather(1, anchors), mask_token_id)
+    pos = anchors[:, :, None] + slot
+    k = torch.arange(K, device=input_ids.device)
+    lab_pos = anchors[:, :, None] + 1 + k  # [B, n, K]
+    inside = keep[:, :, None] & (lab_pos < lengths[:, None, None])
+    safe = lab_pos.clamp(max=T - 1).view(B, -1)
+    labels = input_ids.gather(1, safe).view(B, n, K)
+    weights = (inside & loss_mask.gather(1, safe).view(B, n, K).bool()).float()
+    prev = torch.cat([input_ids.gather(1, anchors)[:, :, None], labels[:, :, :-1]], -1)
+    tp = None
+    if target_p:  # target distribution of token p = softmax(lm_head(final_hidden[p - 1])), full vocab
+        h = features.final_hidden.gather(1, (safe - 1).clamp(min=0)[:, :, None].expand(-1, -1, features.final_hidden.shape[-1]))
+        tp = lm_head(h).float().softmax(-1).view(B, n, K, -1)
+    return BlockBatch(
+        aux_hidden=features.aux_hidden, block_embeds=embed_tokens(ids.view(B, -1)), block_pos=pos.view(B, -1), anchors=anchors,
+        labels=labels, weights=weights, prev_ids=prev, head=lm_head.weight, target_p=tp,
+        prev_embeds=embed_tokens(prev) if prev_embeds else None,
+    )
+
+
+def block_counts(batch: BlockBatch) -> torch.Tensor:
+    """[K, 2] trained rows of each drafted position (accuracy rows = loss rows)."""
+    c = batch.weights.gt(0).sum((0, 1))
+    return torch.stack([c, c], 1)
+
+
+def dpace_weights(q_BnK: torch.Tensor, mask_BnK: torch.Tensor, beta: float = DPACE_BETA) -> torch.Tensor:
+    """D-PACE slot weights (detached): suffix sums of the smoothed prefix-acceptance estimate.
+    Untrained slots are no-ops in the prefix product and absent from the suffix sums."""
+    s = torch.where(mask_BnK > 0, (1 - beta) * q_BnK + beta, torch.ones_like(q_BnK))
+    prefix = s.cumprod(-1)
+    return (prefix * mask_BnK).flip(-1).cumsum(-1).flip(-1)
+
+
+class DFlashDraft(nn.Module):
+    family = "dflash"
+    prediction_offset = 1  # slot of drafted token 0 (DSpark: 0)
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        if c.hidden_act != "silu":
+            raise ValueError(f"DFlash draft supports silu MLPs, the target uses {c.hidden_act}")
+        self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        inv_freq, self.rope_scale = rope_inv_freq(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def K(self) -> int:
+        return self.config.block_size - self.prediction_offset
+
+    def rope(self, positions_BT, dtype):
+        freqs = positions_BT[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    # ---- shared by training and inference ----
+    def context(self, aux_BTX):
+        """c = hidden_norm(fc(aux)) [B, T, H]: what every layer projects its context k/v from."""
+        return self.hidden_norm(self.fc(aux_BTX.to(self.fc.weight.dtype)))
+
+    def context_kv(self, ctx_BTH, positions_BT):
+        """Per layer (k, v) [B, Hkv, T, D] of context states (what vLLM precomputes into its cache)."""
+        cos, sin = self.rope(positions_BT, ctx_BTH.dtype)
+        return [layer.self_attn.kv(ctx_BTH, cos, sin) for layer in self.layers]
+
+    def blocks(self, embeds_BQH, positions_BQ, ctx_kv, attend):
+        """Block tokens through the layers -> normed hidden states [B, Q, H]."""
+        cos, sin = self.rope(positions_BQ, embeds_BQH.dtype)
+        x = embeds_BQH.to(self.fc.weight.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, k, v, cos, sin, attend)
+        return self.norm(x)
+
+    def backbone(self, batch: BlockBatch, attention: str = "dense"):
+        """Training forward of every block -> hidden states of the drafted slots [B, n, K, H]."""
+        B, T, _ = batch.aux_hidden.shape
+        n, bs = batch.anchors.shape[1], self.config.block_size
+        ctx = self.context(batch.aux_hidden)
+        kv = self.context_kv(ctx, torch.arange(T, device=ctx.device).expand(B, T))
+        mask_mod = dflash_mask(T, bs, batch.anchors)
+        if attention == "flex":  # GPU: the block mask as a FlexAttention BlockMask
+            bm = create_block_mask(mask_mod, B, None, n * bs, T + n * bs, device=ctx.device)
+            attend = lambda q, k, v: flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
+        else:  # dense boolean mask [B, 1, Q, T + Q] from the same mask_mod (CPU; O(Q * (T + Q)) bytes)
+            m = mask_grid(mask_mod, B, 1, n * bs, T + n * bs, device=ctx.device)
+            attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
+        h = self.blocks(batch.block_embeds, batch.block_pos, kv, attend)
+        off = self.prediction_offset
+        return h.view(B, n, bs, -1)[:, :, off : off + self.K]
+
+    # ---- training ----
+    def forward(self, batch: BlockBatch, counts: torch.Tensor, objective: str = "ce", loss_decay: float = 0.0, attention: str = "dense"):
+        """counts [K, 2] (global). Returns the loss and per-slot {loss_sum: Σ nll, correct}."""
+        K = self.K
+        h = self.backbone(batch, attention)
+        sel = batch.weights > 0  # [B, n, K]
+        slot = torch.arange(K, device=h.device).expand_as(sel)[sel]
+        logits = h[sel] @ batch.head.T.to(h.dtype)  # [N, V], N = trained slots
+        labels = batch.labels[sel]
+        with torch.no_grad():  # per-row nll for the logs and D-PACE (the CE kernel keeps only the sum)
+            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
+        if objective == "ce":
+            decay = torch.exp(-torch.arange(K, device=h.device).float() / loss_decay) if loss_decay > 0 else torch.ones(K, device=h.device)
+            w = decay[slot]
+            denom = (counts[:, 1].float() * decay).sum()
+        elif objective == "dpace":
+            q = torch.ones_like(batch.weights)
+            q[sel] = torch.exp(-nll)
+            w = dpace_weights(q, batch.weights)[sel]
+            denom = counts[0, 1].float()  # trained blocks (slot 1 is trained in every kept block)
+        else:
+            raise ValueError(f"unknown objective {objective!r}: choose one of {OBJECTIVES}")
+        loss_sum, top = hard_cross_entropy(logits, labels, w, return_argmax=True)
+        loss = loss_sum / denom.clamp(min=1)
+        stats = {
+            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
+            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
+        }
+        return loss, stats
+
+    # ---- inference ----
+    def block_hidden(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens):
+        """One block at anchor_pos (the newest committed token), attending ctx_kv (positions <
+        anchor_pos) -> hidden states of its drafted slots [K, H]."""
+        bs, off = self.config.block_size, self.prediction_offset
+        dev = self.fc.weight.device
+        ids = torch.tensor([[anchor_id] + [self.config.mask_token_id] * (bs - 1)], device=dev)
+        pos = torch.arange(anchor_pos, anchor_pos + bs, device=dev)[None]
+        # no mask: every cached context key is < anchor_pos, and the block sees itself both ways
+        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+        return self.blocks(embed_tokens(ids), pos, ctx_kv, attend)[0, off : off + self.K]
+
+    @torch.no_grad()
+    def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
+        """Greedy drafts of one block: K target token ids (one parallel forward)."""
+        h = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)
+        return (h @ head_VH.T.to(h.dtype)).argmax(-1).tolist()

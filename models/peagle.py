@@ -1,0 +1,154 @@
+"""P-EAGLE: parallel drafting with an EAGLE-3 draft (Amazon, 2026, "P-EAGLE: Parallel Drafting
+EAGLE with Scalable Training"; vLLM's parallel_drafting for EAGLE-3, llama_eagle3.py).
+
+The draft is an EAGLE-3 draft (same layer, same serving names) plus `mask_hidden` [n_aux * H_t],
+a learned stand-in for the aux hidden states of positions the target has not run yet. At
+inference, after the ordinary EAGLE-3 catch-up over committed positions (draft position t fed
+embed(token t+1) and fc(aux_t); the last one, N-2, predicts token N), depths d = 1..K-1 are
+drafted in the same forward: slot d sits at position N-2+d, is fed embed(mask token) and
+fc(mask_hidden), attends to every committed position and causally to slots 1..d, and predicts
+token N+d. K tokens for one draft forward (vLLM: speculative_config parallel_drafting=True).
+
+Training (the paper's COD sampling, SpecForge's peagle.py): one flattened sequence per example
+holds every depth-0 element (position t, fed as above, trained toward the target's distribution
+of token t+2) and, for depth d >= 1, rollouts anchored at a random subset of positions p (a
+fraction max(0.7^d, 0.2) of the trained ones, nested in depth d-1's so every rollout is complete
+up to its depth): element (p, d) at rope position p+d, fed the mask token and mask_hidden,
+trained toward the target's distribution of token p+2+d. Attention is kernels/masks.py's
+peagle_mask: depth-0 elements see depth-0 elements at positions <= their own; (p, d) sees depth-0
+elements at positions <= p and (p, 1..d). Loss: soft CE over the draft vocabulary (EAGLE-3's),
+a mean over all trained elements; acc_d per depth (draft argmax mapped by d2t == target argmax).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.masks import create_block_mask, flex_attention_compiled, mask_grid, peagle_mask
+from models.eagle3 import Eagle3Config, Eagle3Draft
+
+DOWN_SAMPLE_RATIO, DOWN_SAMPLE_MIN = 0.7, 0.2
+
+
+@dataclass
+class PEagleConfig(Eagle3Config):
+    mask_token_id: int = 0
+    depths: int = 4  # K: tokens drafted per forward
+
+
+class PEagleDraft(Eagle3Draft):
+    family = "peagle"
+
+    def __init__(self, config: PEagleConfig):
+        super().__init__(config)
+        self.mask_hidden = nn.Parameter(torch.randn(len(config.aux_layers) * config.target_hidden_size))
+
+    @property
+    def K(self) -> int:
+        return self.config.depths
+
+    def forward(self, batch: "PEagleBatch", counts: torch.Tensor, attention: str = "dense"):
+        """counts [K, 2] (global). Returns the mean soft CE over trained elements and per-depth
+        {loss_sum, correct}."""
+        B, L = batch.pos.shape
+        is0 = (batch.depth == 0)[..., None]
+        aux = torch.where(is0, batch.aux_hidden.to(self.mask_hidden.dtype), self.mask_hidden)
+        hidden = self.project(aux)
+        q, k, v = self.qkv(batch.embeds.to(hidden.dtype), hidden, batch.pos + batch.depth)
+        mask_mod = peagle_mask(batch.pos, batch.depth, batch.doc)
+        if attention == "flex":
+            bm = create_block_mask(mask_mod, B, None, L, L, device=q.device)
+            attn = flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)
+        else:  # dense [B, 1, L, L]; padding rows (see nothing) attend to themselves to stay finite
+            m = mask_grid(mask_mod, B, 1, L, L, device=q.device) | (batch.doc < 0)[:, None, :, None] & torch.eye(L, dtype=torch.bool, device=q.device)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        out = self.finish(attn, hidden)
+        sel = batch.acc_mask.reshape(-1).nonzero().squeeze(1)
+        weight = batch.loss_mask.reshape(-1)[sel]
+        depth = batch.depth.reshape(-1)[sel]
+        p, top = batch.target_p.reshape(B * L, -1)[sel], batch.target_top.reshape(-1)[sel]
+        logits = self.logits(out.reshape(B * L, -1)[sel]).float()
+        ce = -(p * logits.log_softmax(-1)).sum(-1) * weight
+        loss = ce.sum() / counts[:, 1].sum().clamp(min=1)
+        hit = self.draft_ids[logits.argmax(-1)] == top
+        K = self.K
+        stats = {
+            "loss_sum": torch.zeros(K, device=out.device).index_add_(0, depth, ce.detach()),
+            "correct": torch.zeros(K, device=out.device, dtype=torch.long).index_add_(0, depth, hit.long()),
+        }
+        return loss, stats
+
+
+@dataclass
+class PEagleBatch:
+    """One flattened sequence of L elements per example (right padded: doc = -1)."""
+
+    pos: torch.Tensor  # [B, L] anchor position p (depth 0: its own position t)
+    depth: torch.Tensor  # [B, L]
+    doc: torch.Tensor  # [B, L] 0 = element, -1 = padding
+    embeds: torch.Tensor  # [B, L, H] embed(token t+1) at depth 0, embed(mask token) at depth > 0
+    aux_hidden: torch.Tensor  # [B, L, n_aux*H_t] aux_t at depth 0 (zeros elsewhere: mask_hidden is used)
+    target_p: torch.Tensor  # [B, L, Vd] target distribution (draft vocab) of token p+2+d
+    target_top: torch.Tensor  # [B, L] target argmax of token p+2+d
+    acc_mask: torch.Tensor  # [B, L] bool: token p+2+d is assistant output
+    loss_mask: torch.Tensor  # [B, L] float: acc_mask and the target's argmax is in the draft vocab
+
+
+def sample_rollouts(loss_mask: list[int], K: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """(pos, depth) of one example's elements: depth 0 at every position t with a next token
+    (t <= n-2), then the nested random rollouts of depths 1..K-1."""
+    n = len(loss_mask)
+    pos, depth = list(range(n - 1)), [0] * (n - 1)
+    prev = list(range(n - 1))
+    for d in range(1, K):
+        trained = [p for p in range(n - 1) if p + 2 + d < n and loss_mask[p + 2 + d]]
+        cand = [p for p in prev if p + 2 + d < n and loss_mask[p + 2 + d]]
+        size = min(len(cand), int(len(trained) * max(DOWN_SAMPLE_RATIO**d, DOWN_SAMPLE_MIN)))
+        if size <= 0:
+            break
+        prev = sorted(cand[i] for i in torch.randperm(len(cand), generator=gen)[:size].tolist())
+        pos += prev
+        depth += [d] * len(prev)
+    return pos, depth
+
+
+def peagle_host(b: dict, K: int, gen_of) -> dict:
+    lengths = b["attention_mask"].sum(1).tolist()
+    rows = [sample_rollouts(b["loss_mask"][i, :L].tolist(), K, gen_of(i)) for i, L in enumerate(lengths)]
+    L = max(1, max(len(p) for p, _ in rows))
+    pos, depth, doc = (torch.zeros(len(rows), L, dtype=torch.long) for _ in range(3))
+    doc.fill_(-1)
+    for i, (p, d) in enumerate(rows):
+        pos[i, : len(p)], depth[i, : len(d)], doc[i, : len(p)] = torch.tensor(p), torch.tensor(d), 0
+    b.update(pe_pos=pos, pe_depth=depth, pe_doc=doc)
+    return b
+
+
+@torch.no_grad()
+def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tokens, lm_head, draft_ids, t2d, mask_token_id) -> PEagleBatch:
+    B, T = input_ids.shape
+    valid = doc >= 0
+    tgt = (pos + 1 + depth).clamp(max=T - 1)  # position whose target logits predict token p+2+d
+    lab = (pos + 2 + depth).clamp(max=T - 1)
+    tok = torch.where(depth == 0, input_ids.gather(1, (pos + 1).clamp(max=T - 1)), mask_token_id)
+    aux = features.aux_hidden.gather(1, pos[..., None].expand(-1, -1, features.aux_hidden.shape[-1]))
+    aux = torch.where(((depth == 0) & valid)[..., None], aux, 0)
+    target_p = torch.empty(B, pos.shape[1], draft_ids.numel(), device=input_ids.device)
+    target_top = torch.empty(B, pos.shape[1], dtype=torch.long, device=input_ids.device)
+    for b in range(B):  # one sequence at a time: the [L, V] target logits exist once
+        logits = lm_head(features.final_hidden[b, tgt[b]])
+        target_p[b] = logits[:, draft_ids].float().softmax(-1)
+        target_top[b] = logits.argmax(-1)
+    inside = valid & (pos + 2 + depth < T)
+    acc = inside & loss_mask.gather(1, lab).bool()
+    return PEagleBatch(
+        pos=pos, depth=depth, doc=doc, embeds=embed_tokens(tok), aux_hidden=aux, target_p=target_p, target_top=target_top,
+        acc_mask=acc, loss_mask=(acc & t2d[target_top]).float(),
+    )
+
+
+def peagle_counts(batch: PEagleBatch, K: int) -> torch.Tensor:
+    """[K, 2] (accuracy rows, loss rows) per depth."""
+    d = batch.depth
+    return torch.stack([torch.stack([(batch.acc_mask & (d == k)).sum(), ((batch.loss_mask > 0) & (d == k)).sum()]) for k in range(K)])
