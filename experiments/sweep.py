@@ -1,0 +1,245 @@
+"""Shared machinery of the paper-reproduction sweeps (ttt_scaling.py, moe_drafts.py, data_regen.py).
+
+For each (seed, setting) a sweep runs `train.py` then `evaluate.py` as subprocesses and appends
+ONE row per finished run to a CSV under experiments/results/: the setting, the seed, τ per
+benchmark (chain drafting with --eval-k tokens), held-out acc_0, training time, peak memory
+(CUDA max allocated on GPU, max RSS on CPU; recorded by runlog.py), draft parameters, the
+scale, the training config, git commit, hardware, versions, date and both commands. A run whose
+(setting, seed, scale) is already in the CSV is skipped, so a sweep can be stopped and started
+again; a run whose training finished but whose evaluation did not is evaluated again without
+retraining. Seeds are the outer loop: when --budget-minutes stops the sweep early, every setting
+has its first seed.
+
+Evaluation (evaluate.py) decodes on the CPU; on a GPU machine it runs in the background while the
+next setting trains (--overlap-eval), so a run costs max(train, eval) instead of the sum.
+
+--smoke: the tiny version for CI (2 steps, 1 setting, 1 seed, 1 prompt of 8 tokens, a CSV in a
+temporary directory unless --csv says otherwise).
+"""
+import csv
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+BENCHMARKS = ("mtbench", "humaneval", "gsm8k")
+COLUMNS = [
+    "study", "setting", "seed", *(f"tau_{b}" for b in BENCHMARKS), "tau_mean", "eval_k", "acc_0_heldout",
+    "train_seconds", "eval_seconds", "peak_memory_gib", "peak_memory_kind", "draft_params_m", "scale",
+    "config", "git_commit", "hardware", "versions", "date", "train_cmd", "eval_cmd", "run_dir",
+]
+
+
+@dataclass
+class SweepArgs:
+    target: str = "smollm2"
+    """target: HF dir, .gguf file, or 'smollm2' (on the H200: /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf)"""
+    data: str = "sharegpt-regen"
+    """training data of every setting (data_regen.py sets its own per setting)"""
+    seeds: tuple[int, ...] = (0, 1)
+    only: tuple[str, ...] = ()
+    """run only these settings (names as the script lists them)"""
+    num_records: int = 0
+    """records read from the data (0 = all: 3,390 regenerated chats)"""
+    steps: int = 800
+    batch_size: int = 16
+    max_len: int = 512
+    ttt_length: int = 7
+    """TTT steps of every setting that does not set its own"""
+    lr: float = 3e-3
+    holdout: int = 32
+    draft_vocab_size: int = 8192
+    num_prompts: int = 10
+    """evaluation conversations per benchmark"""
+    max_new_tokens: int = 128
+    eval_k: int = 7
+    """chain drafting depth K of the evaluation (the same for every setting)"""
+    eval_threads: int = 0
+    device: str = "auto"
+    overlap_eval: bool = True
+    """evaluate run i (CPU) while run i+1 trains (only when training is on a GPU)"""
+    budget_minutes: float = 60.0
+    """start no new run once elapsed + the mean run time so far would pass this (0 = no limit)"""
+    csv: str = ""
+    """results CSV (default experiments/results/<study>.csv; --smoke: a temporary dir)"""
+    runs_dir: str = "runs/experiments"
+    train_args: tuple[str, ...] = ()
+    """extra train.py flags for every run, e.g. --train-args --backend compiled"""
+    smoke: bool = False
+    dry_run: bool = False
+    """print the commands and exit"""
+
+    def scale(self) -> dict:
+        """What makes two rows comparable (part of the skip key)."""
+        keys = ("target", "num_records", "steps", "batch_size", "max_len", "lr", "holdout", "draft_vocab_size", "num_prompts",
+                "max_new_tokens", "eval_k", "train_args")
+        return {k: getattr(self, k) for k in keys}
+
+
+def smoke_args(a: SweepArgs, study: str) -> SweepArgs:
+    tmp = Path(tempfile.mkdtemp(prefix=f"nanospec-{study}-smoke-"))
+    return dataclasses.replace(
+        a, seeds=a.seeds[:1], num_records=a.num_records or 40, steps=2, batch_size=2, max_len=64, holdout=4, draft_vocab_size=512,
+        num_prompts=1, max_new_tokens=8, eval_k=min(a.eval_k, 3), overlap_eval=False, budget_minutes=0,
+        csv=a.csv or str(tmp / f"{study}.csv"), runs_dir=a.runs_dir if a.runs_dir != SweepArgs.runs_dir else str(tmp / "runs"),
+    )
+
+
+def done_keys(path: Path) -> set:
+    if not path.exists():
+        return set()
+    with open(path, newline="") as f:
+        return {(r["setting"], int(r["seed"]), r["scale"]) for r in csv.DictReader(f)}
+
+
+def append_row(path: Path, row: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def train_finished(run: Path) -> bool:
+    p = run / "run.json"
+    return p.exists() and "eval_end" in json.loads(p.read_text()).get("results", {})
+
+
+def _last_json(log: Path) -> dict:
+    for line in reversed(log.read_text().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError(f"{log}: no JSON result line")
+
+
+def _tail(log: Path, n=3000) -> str:
+    return log.read_text()[-n:] if log.exists() else ""
+
+
+class Sweep:
+    """settings: [(name, extra train.py args)]; the study's name names the CSV and the runs."""
+
+    def __init__(self, study: str, settings: list[tuple[str, list[str]]], args: SweepArgs):
+        if args.smoke and not args.only:
+            settings = settings[-1:]  # the last: the MoE and longest-TTT code paths
+        if args.only:
+            unknown = set(args.only) - {s for s, _ in settings}
+            if unknown:
+                raise SystemExit(f"unknown settings {sorted(unknown)}: choose from {[s for s, _ in settings]}")
+            settings = [s for s in settings if s[0] in args.only]
+        self.study, self.settings, self.a = study, settings, args
+        self.csv = Path(args.csv) if args.csv else RESULTS / f"{study}.csv"
+        self.scale = json.dumps(args.scale(), sort_keys=True)
+
+    def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
+        a = self.a
+        cmd = [sys.executable, "train.py", "--strategy", "eagle3", "--target", a.target, "--data", a.data,
+               "--num-records", str(a.num_records), "--max-len", str(a.max_len), "--batch-size", str(a.batch_size),
+               "--steps", str(a.steps), "--lr", str(a.lr), "--holdout", str(a.holdout), "--draft-vocab-size", str(a.draft_vocab_size),
+               "--ttt-length", str(a.ttt_length), "--seed", str(seed), "--device", a.device, "--out", str(run), "--no-progress",
+               *a.train_args, *setting_args]
+        return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
+
+    def eval_cmd(self, run: Path) -> list[str]:
+        a = self.a
+        return [sys.executable, "evaluate.py", str(run), "--target", a.target, "--num-prompts", str(a.num_prompts),
+                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(a.eval_threads)]
+
+    def run(self) -> int:
+        a, t_start = self.a, time.time()
+        done = done_keys(self.csv)
+        todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
+        print(f"[{self.study}] {len(todo)} runs to do, {len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}", flush=True)
+        if a.dry_run:
+            for s, args, seed in todo:
+                run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
+                print(" ".join(self.train_cmd(args, seed, run)) + "\n  " + " ".join(self.eval_cmd(run)))
+            return 0
+        pending, failed, durations = None, 0, []
+        for s, args, seed in todo:
+            elapsed = time.time() - t_start
+            mean = sum(durations) / len(durations) if durations else 0.0
+            if a.budget_minutes and elapsed + mean > 60 * a.budget_minutes:
+                print(f"[{self.study}] budget: {elapsed / 60:.1f} min spent, a run takes ~{mean / 60:.1f}: not starting {s} seed {seed}", flush=True)
+                break
+            t0 = time.time()
+            run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
+            cmd = self.train_cmd(args, seed, run)
+            if not train_finished(run):
+                run.mkdir(parents=True, exist_ok=True)
+                print(f"[{self.study}] train {s} seed {seed}: {run}", flush=True)
+                with open(run / "train.log", "w") as log:
+                    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+                if rc != 0:
+                    print(f"[{self.study}] train {s} seed {seed} FAILED (exit {rc}):\n{_tail(run / 'train.log')}", flush=True)
+                    failed += 1
+                    continue
+            if pending is not None:
+                failed += self.finish(*pending)
+            pending = (s, seed, run, cmd, self.start_eval(run))
+            if not (a.overlap_eval and self._on_gpu(run)):
+                failed += self.finish(*pending)
+                pending = None
+            durations.append(time.time() - t0)
+        if pending is not None:
+            failed += self.finish(*pending)
+        print(f"[{self.study}] done in {(time.time() - t_start) / 60:.1f} min; {failed} failed; rows in {self.csv}", flush=True)
+        return 1 if failed else 0
+
+    @staticmethod
+    def _on_gpu(run: Path) -> bool:
+        return "gpu" in json.loads((run / "run.json").read_text()).get("hardware", {})
+
+    def start_eval(self, run: Path):
+        log = open(run / "eval.log", "w")
+        print(f"[{self.study}] evaluate {run}", flush=True)
+        return subprocess.Popen(self.eval_cmd(run), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log, time.time()
+
+    def finish(self, setting: str, seed: int, run: Path, train_cmd: list[str], ev) -> int:
+        """Wait for a run's evaluation and append its row; returns 1 on failure."""
+        proc, log, t0 = ev
+        rc = proc.wait()
+        log.close()
+        if rc != 0:
+            print(f"[{self.study}] evaluate {setting} seed {seed} FAILED (exit {rc}):\n{_tail(run / 'eval.log')}", flush=True)
+            return 1
+        res = _last_json(run / "eval.log")
+        meta = json.loads((run / "run.json").read_text())
+        k = f"eagle3-chain{self.a.eval_k}"
+        taus = {b: res["results"][b][k]["tau"] for b in BENCHMARKS if b in res["results"]}
+        mem = meta.get("peak_memory", {})
+        kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
+        from models.eagle3 import Eagle3Config, Eagle3Draft, param_count
+
+        row = {
+            "study": self.study, "setting": setting, "seed": seed, **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
+            "tau_mean": round(sum(taus.values()) / len(taus), 4), "eval_k": self.a.eval_k,
+            "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
+            "train_seconds": round(meta["results"]["train_seconds"], 1), "eval_seconds": round(time.time() - t0, 1),
+            "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3), "peak_memory_kind": kind,
+            "draft_params_m": round(param_count(Eagle3Draft(Eagle3Config(**meta["draft"]))) / 1e6, 3),
+            "scale": self.scale, "config": json.dumps(meta["config"], sort_keys=True, default=str), "git_commit": meta["git_commit"],
+            "hardware": json.dumps(meta["hardware"]), "versions": json.dumps(meta["versions"]), "date": meta["date"],
+            "train_cmd": " ".join(train_cmd), "eval_cmd": " ".join(self.eval_cmd(run)), "run_dir": str(run),
+        }
+        append_row(self.csv, row)
+        print(f"[{self.study}] {setting} seed {seed}: tau {json.dumps({b: row[f'tau_{b}'] for b in taus})}, "
+              f"train {row['train_seconds']:.0f}s, peak {row['peak_memory_gib']:.2f} GiB", flush=True)
+        return 0
+
+
+def main(study: str, settings: list[tuple[str, list[str]]], args: SweepArgs, prepare=None) -> int:
+    """prepare(args) -> args: a study's one-time setup (e.g. data files) before the runs."""
+    if args.smoke:
+        args = smoke_args(args, study)
+    if prepare is not None:
+        args = prepare(args)
+    return Sweep(study, settings, args).run()

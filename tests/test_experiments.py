@@ -1,0 +1,78 @@
+"""CPU smoke of the paper-reproduction sweeps on a tiny random target: each script trains and
+evaluates one run and appends one row, a second call skips it, and plot.py draws every figure."""
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, timeout=300):
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, f"{args[0]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_run_inputs):
+    """The three sweeps' smoke runs, into one results dir."""
+    target, data = tiny_run_inputs
+    res = tmp_path_factory.mktemp("results")
+    for study, setting in (("ttt_scaling", "ttt13"), ("moe_drafts", "shared-e4"), ("data_regen", "regenerated")):
+        common = [f"experiments/{study}.py", "--smoke", "--target", str(target), "--csv", str(res / f"{study}.csv"), "--runs-dir", str(res / "runs")]
+        if study != "data_regen":  # data_regen builds its own matched data files
+            common += ["--data", str(data)]
+        out = run(common)
+        assert f"{setting} seed 0: tau" in out
+        assert "0 runs to do, 1 already in" in run(common)  # finished runs are skipped
+    return res
+
+
+@pytest.mark.parametrize("study,setting", [("ttt_scaling", "ttt13"), ("moe_drafts", "shared-e4"), ("data_regen", "regenerated")])
+def test_one_row_per_run(results, study, setting):
+    rows = list(csv.DictReader(open(results / f"{study}.csv")))
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["study"] == study and r["setting"] == setting and r["seed"] == "0"
+    taus = [float(r[f"tau_{b}"]) for b in ("mtbench", "humaneval", "gsm8k")]
+    assert all(t >= 1.0 for t in taus) and float(r["tau_mean"]) == pytest.approx(sum(taus) / 3, abs=1e-3)
+    assert float(r["train_seconds"]) > 0 and float(r["peak_memory_gib"]) > 0 and r["peak_memory_kind"] == "max_rss"
+    cfg = json.loads(r["config"])
+    assert cfg["steps"] == 2 and cfg["seed"] == 0
+    if study == "ttt_scaling":
+        assert cfg["ttt_length"] == 13
+    if study == "moe_drafts":
+        assert (cfg["moe_experts"], cfg["moe_shared"], cfg["moe_mode"]) == (4, True, "flops")
+    if study == "data_regen":
+        assert cfg["data"].endswith("regen.jsonl")
+        info = json.loads((results / "runs" / "data_regen" / "data" / "matched.json").read_text())
+        assert info["kept"] == 40
+    for k in ("git_commit", "hardware", "versions", "date", "train_cmd", "eval_cmd"):
+        assert r[k], k
+
+
+def test_matched_data_are_the_same_chats(results):
+    d = results / "runs" / "data_regen" / "data"
+    orig = [json.loads(x) for x in open(d / "original.jsonl")]
+    regen = [json.loads(x) for x in open(d / "regen.jsonl")]
+    assert [o["id"] for o in orig] == [r["id"] for r in regen]
+    for o, r in zip(orig, regen):
+        assert [m for m in o["messages"] if m["role"] != "assistant"] == [m for m in r["messages"] if m["role"] != "assistant"]
+        assert [m["role"] for m in o["messages"]] == [m["role"] for m in r["messages"]]
+    assert sum(a != b for o, r in zip(orig, regen) for a, b in zip(o["messages"], r["messages"])) > 0  # the answers differ
+
+
+def test_plots(results, tmp_path):
+    row = {"model": "tiny-llama", "backend": "hf", "seq": 64, "batch": 2, "ttt": 3, "tokens_per_s": 100.0, "target_fwd_s": 0.1,
+           "make_batch_s": 0.01, "draft_fwd_s": 0.1, "draft_bwd_s": 0.2, "optim_s": 0.01, "device": "cpu", "torch": "x", "date": "2026"}
+    (results / "throughput_h200.jsonl").write_text(json.dumps(row) + "\n")
+    figs = tmp_path / "figures"
+    out = run(["experiments/plot.py", "--results", str(results), "--figures", str(figs)])
+    for name in ("ttt_tau.png", "ttt_cost.png", "moe_tau.png", "regen_tau.png", "backends_h200.png"):
+        assert (figs / name).stat().st_size > 1000, name
+        assert name in out
