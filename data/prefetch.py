@@ -18,6 +18,8 @@ class Prefetcher:
     def __init__(self, make, keys, device, depth: int = 2):
         """make(key) -> dict of CPU tensors and plain values; keys in consumption order."""
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # set_device on the thread needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()

@@ -164,22 +164,36 @@ def test_random_init_and_presets():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_cuda_bf16_eager_compiled_and_cudagraphs(kind):
-    """On the GPU in bf16: HF vs ours eager (padded + whole rows), then the compiled layer
-    without and with CUDA graphs against our eager output; MoE experts run torch._grouped_mm."""
+    """On the GPU in bf16: ours eager (padded + whole rows), compiled, and compiled with CUDA graphs
+    are each no further from the fp32 truth than HF's own bf16 forward (x2: bf16 rounding alone puts
+    both ~2% away in relative L2, and flips a few MoE routing ties); MoE experts run torch._grouped_mm."""
+    import copy
+
     torch._dynamo.reset()
-    hf = hf_model(kind, seed=6).cuda().to(torch.bfloat16)
-    ref_t, fast = Target(hf, [1, 3, 4]), FastTarget.from_hf_model(hf, [1, 3, 4])
+    hf32 = hf_model(kind, seed=6).cuda()
+    hf = copy.deepcopy(hf32).to(torch.bfloat16)
+    ref32, ref_t, fast = Target(hf32, [1, 3, 4]), Target(hf, [1, 3, 4]), FastTarget.from_hf_model(hf, [1, 3, 4])
     if kind == "qwen3_moe":
         assert all(m.use_grouped_mm for m in fast.modules() if hasattr(m, "use_grouped_mm"))
     lengths = [256, 200, 77]
     ids, mask = (x.cuda() for x in padded_batch(lengths, hf.config.vocab_size, seed=6))
-    bf16 = dict(rtol=2e-2, atol=2e-2)
+    truth = {"pad": (ref32(ids, mask), lengths), "full": (ref32(ids), [256] * 3)}
+
+    def rel_err(f, which):  # relative L2 error over valid positions, aux and final hidden states
+        t, lens = truth[which]
+        errs = []
+        for a, b in ((f.aux_hidden, t.aux_hidden), (f.final_hidden, t.final_hidden)):
+            x = torch.cat([a[i, :n] for i, n in enumerate(lens)]).float()
+            y = torch.cat([b[i, :n] for i, n in enumerate(lens)]).float()
+            errs.append(((x - y).norm() / y.norm()).item())
+        return max(errs)
+
+    budget = {w: 2 * rel_err(ref_t(ids, mask) if w == "pad" else ref_t(ids), w) + 1e-3 for w in truth}
     eager_pad, eager_full = fast(ids, mask), fast(ids)
-    assert_features_close(eager_pad, ref_t(ids, mask), lengths, bf16)
-    assert_features_close(eager_full, ref_t(ids), [256] * 3, bf16)
+    got = {("eager", "pad"): rel_err(eager_pad, "pad"), ("eager", "full"): rel_err(eager_full, "full")}
     for mode in (None, "reduce-overhead"):
         fast.compile_layers(mode=mode)
         for _ in range(3):  # CUDA graphs: warm-up, record, replay
             pad, full = fast(ids, mask), fast(ids)
-        assert_features_close(pad, eager_pad, lengths, bf16)
-        assert_features_close(full, eager_full, [256] * 3, bf16)
+        got[(mode or "compiled", "pad")], got[(mode or "compiled", "full")] = rel_err(pad, "pad"), rel_err(full, "full")
+    assert all(e < budget[w] for (_, w), e in got.items()), (got, budget)
