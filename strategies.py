@@ -21,7 +21,8 @@ serving dir, evaluate.py drafts with it. `train.py --strategy NAME` picks one of
     serving     export.py's format for it (None: no engine in reach loads it)
 
 K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
-slots (dflash: blocks of K + 1 with the clean anchor first).
+slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K whose
+anchor slot predicts the first token).
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -31,6 +32,7 @@ import torch
 from data.vocab import build_vocab_mapping
 from models.dflash import OBJECTIVES as DFLASH_OBJECTIVES
 from models.dflash import DFlashConfig, DFlashDraft, block_counts, block_host, make_block_batch
+from models.domino import DominoConfig, DominoDraft
 from models.eagle3 import OBJECTIVES as EAGLE3_OBJECTIVES
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
 from models.eagle3 import make_batch as eagle3_batch
@@ -116,6 +118,15 @@ def _dflash_step(module, batch, counts, cfg, b, progress):
     return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=_block_attention(cfg))
 
 
+def _domino_build(cfg, target, counts, tokenizer):
+    c = DominoConfig.from_target(target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    return DominoDraft(c)
+
+
+def _domino_step(module, batch, counts, cfg, b, progress):  # progress drives the base -> corrected curriculum
+    return module(batch, counts, progress=progress, loss_decay=cfg.loss_decay, attention=_block_attention(cfg))
+
+
 # ---------------------------------------------------------------- peagle
 def _peagle_build(cfg, target, counts, tokenizer):
     d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
@@ -149,6 +160,12 @@ STRATEGIES: dict[str, Strategy] = {
         name="dflash", features=("aux",), objectives=DFLASH_OBJECTIVES, build=_dflash_build, host=_block_host,
         make_batch=_block_make_batch, counts=lambda batch, draft, cfg: block_counts(batch), step=_dflash_step,
         config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash",
+    ),
+    "domino": Strategy(
+        name="domino", features=("aux",), objectives=("ce",), build=_domino_build, host=_block_host,
+        make_batch=lambda feats, b, target, draft: _block_make_batch(feats, b, target, draft, prev_embeds=True),
+        counts=lambda batch, draft, cfg: block_counts(batch), step=_domino_step,
+        config_cls=DominoConfig, draft_cls=DominoDraft, serving=None,  # no engine loader (vLLM 0.32 has none)
     ),
 }
 

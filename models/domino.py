@@ -1,0 +1,124 @@
+"""Domino (Huang et al., 2026, "Domino: Decoupling Causal Modeling from Autoregressive Drafting
+in Speculative Decoding", arXiv 2605.29707; code github.com/jianuo-huang/Domino): the DFlash
+block drafter (models/dflash.py, unchanged: blocks of K + 1 slots, clean anchor first) plus a
+light causal correction head over the block's previous tokens.
+
+Head (names as the authors' checkpoints and SGLang rollout use them):
+  prefix_gru  nn.GRU(E -> G), one layer, over the frozen target embeddings of the tokens before
+              each drafted token: drafted token k (k = 0..K-1) reads s_k = GRU state after
+              [anchor, t_0, .., t_{k-1}] (teacher-forced with the data tokens in training,
+              the draft's own greedy tokens at inference)
+  embed_proj  Linear(H + G -> r), SiLU, Linear(r -> V): a rank-r residual on the logits
+    base_k  = z_k @ lm_head^T                          (z_k: backbone output of drafted token k)
+    final_k = base_k + embed_proj([z_k ; s_k])   for k >= 1;   final_0 = base_0
+  Drafted token 0 has no drafted predecessor, so the authors' rollout takes it from the base
+  logits; we train it the same way (no correction at k = 0).
+
+Loss (the paper's "base-anchored curriculum"): L = (1 - λ)·CE(base) + λ·CE(final), each the
+DFlash per-slot CE (optional exp decay, normalised by the decay-weighted trained-slot count);
+λ ramps linearly from 0 to 1 over the first RAMP of training (progress = step / total steps),
+so the parallel backbone is learned first and the head then takes over the residual. The paper
+describes the ramp as linear from the base to the corrected distribution; its exact length is
+not public in what we could read, RAMP = 0.5 is our choice (README, 'Draft families').
+acc_k / loss_k in the logs are those of the final (corrected) logits: what the proposer drafts.
+No inference engine we can reach loads Domino drafts (vLLM 0.32 has no loader; the authors ship an
+SGLang fork), so export.py refuses them; evaluate.py drafts with them in PyTorch.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.ce import hard_cross_entropy
+from models.dflash import BlockBatch, DFlashConfig, DFlashDraft
+
+RAMP = 0.5  # fraction of training over which λ goes 0 -> 1
+
+
+def curriculum(progress: float, ramp: float = RAMP) -> float:
+    """λ of the base-anchored curriculum at a training progress in [0, 1]."""
+    return min(1.0, max(0.0, progress / ramp)) if ramp > 0 else 1.0
+
+
+@dataclass
+class DominoConfig(DFlashConfig):
+    gru_size: int = 256  # G
+    correction_rank: int = 256  # r: width of embed_proj's bottleneck
+
+
+class DominoDraft(DFlashDraft):
+    family = "domino"
+
+    def __init__(self, config: DominoConfig):
+        super().__init__(config)
+        c = config
+        # the GRU reads the target's embeddings (width = target hidden size, as in make_block_batch)
+        self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_size, num_layers=1, batch_first=True)
+        self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_size, c.correction_rank), nn.SiLU(),
+                                        nn.Linear(c.correction_rank, c.vocab_size))
+
+    def correction(self, z_NH, s_NG):
+        """Logit residual [N, V] of drafted slots with backbone states z and GRU states s."""
+        return self.embed_proj(torch.cat([z_NH, s_NG.to(z_NH.dtype)], -1))
+
+    # ---- training ----
+    def forward(self, batch: BlockBatch, counts: torch.Tensor, progress: float = 1.0, loss_decay: float = 0.0, attention: str = "dense"):
+        """counts [K, 2] (global). Returns the curriculum loss and per-slot {loss_sum, correct} of
+        the corrected logits."""
+        if batch.prev_embeds is None:
+            raise ValueError("domino needs make_block_batch(..., prev_embeds=True)")
+        K = self.K
+        h = self.backbone(batch, attention)  # [B, n, K, H]
+        B, n = h.shape[:2]
+        s, _ = self.prefix_gru(batch.prev_embeds.reshape(B * n, K, -1).to(h.dtype))  # [B*n, K, G]: s_k after prev 0..k
+        sel = batch.weights > 0
+        slot = torch.arange(K, device=h.device).expand_as(sel)[sel]
+        z = h[sel]  # [N, H]
+        head = batch.head.T.to(h.dtype)
+        corr = self.correction(z, s.view(B, n, K, -1)[sel]) * (slot > 0)[:, None].to(h.dtype)  # none at k = 0
+        labels = batch.labels[sel]
+        decay = torch.exp(-torch.arange(K, device=h.device).float() / loss_decay) if loss_decay > 0 else torch.ones(K, device=h.device)
+        w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
+        lam = curriculum(progress)
+        final = z @ head + corr  # [N, V]
+        with torch.no_grad():
+            nll = torch.logsumexp(final.float(), -1) - final.float().gather(1, labels[:, None])[:, 0]
+        loss_final, top = hard_cross_entropy(final, labels, w, return_argmax=True)
+        loss = lam * loss_final / denom
+        if lam < 1:  # base logits recomputed: the CE kernel's backward overwrites its input
+            loss = loss + (1 - lam) * hard_cross_entropy(z @ head, labels, w) / denom
+        stats = {
+            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
+            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
+        }
+        return loss, stats
+
+    # ---- inference ----
+    def gru_step(self, emb_1E, state_1G):
+        _, s = self.prefix_gru(emb_1E[None].to(self.fc.weight.dtype), None if state_1G is None else state_1G[None])
+        return s[0]
+
+    @torch.no_grad()
+    def block_logits(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None):
+        """(base, final) logits [K, V] of one block. tokens = the K drafted tokens to condition the
+        head on (teacher forcing); None = greedy: each drafted token is the argmax of its final
+        logits and feeds the GRU for the next one."""
+        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)  # [K, H]
+        base = z @ head_VH.T.to(z.dtype)
+        final = base.clone()
+        dev = z.device
+        s = self.gru_step(embed_tokens(torch.tensor([anchor_id], device=dev)), None)  # after the anchor
+        for k in range(self.K):
+            if k > 0:
+                final[k] += self.correction(z[k : k + 1], s)[0]
+            t = int(final[k].argmax()) if tokens is None else tokens[k]
+            if k + 1 < self.K:
+                s = self.gru_step(embed_tokens(torch.tensor([t], device=dev)), s)
+        return base, final
+
+    @torch.no_grad()
+    def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
+        """Greedy drafts of one block: one parallel backbone forward, then K - 1 cheap GRU steps."""
+        _, final = self.block_logits(anchor_id, anchor_pos, ctx_kv, embed_tokens, head_VH)
+        return final.argmax(-1).tolist()
