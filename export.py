@@ -1,5 +1,5 @@
-"""Training checkpoint -> serving directory (EAGLE-3 / EAGLE-3.1 for vLLM or SGLang; P-EAGLE and
-DFlash for vLLM).
+"""Training checkpoint -> serving directory (EAGLE-3 / EAGLE-3.1 for vLLM or SGLang; P-EAGLE,
+DFlash and DSpark for vLLM).
 
     python export.py runs/default [--out DIR] [--engine vllm|sglang] [--dtype bf16|fp32] [--with-embeddings]
 
@@ -27,6 +27,14 @@ layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight. No lm_head / embed_token
 frozen ones and vLLM shares them when the checkpoint has none. dflash_config.target_layer_ids
 are our layer-output indices: vLLM adds 1 (get_eagle3_aux_layers_from_config) to get its capture
 ids, which are HF hidden_states indices (see below), so no conversion is written here.
+
+DSpark (vLLM 0.32 models/qwen3_dspark.py, architecture Qwen3DSparkModel): the DFlash tensors
+and config plus markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [V, r],
+confidence_head.proj.{weight [1, H + r], bias [1]}; config markov_rank, draft_vocab_size (= V:
+no lm_head / d2t written, vLLM shares the target's head), enable_confidence_head,
+confidence_head_with_markov, sample_from_anchor=true (blocks of block_size = K slots, the anchor
+slot predicts; served with method "dspark", num_speculative_tokens = block_size).
+Domino: no engine loader in reach (vLLM 0.32 has none), so it is not exported.
 
 This file alone knows the engines' conventions. Aux layer ids, checked in the engines' code:
 
@@ -308,18 +316,18 @@ def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
 
 def vllm_method(family: str) -> tuple[str, dict]:
     """vLLM's speculative_config method (+ extra settings) that serves a draft family."""
-    methods = {"eagle3": ("eagle3", {}), "peagle": ("eagle3", {"parallel_drafting": True}), "dflash": ("dflash", {})}
+    methods = {"eagle3": ("eagle3", {}), "peagle": ("eagle3", {"parallel_drafting": True}), "dflash": ("dflash", {}), "dspark": ("dspark", {})}
     if family not in methods:
         raise ExportError(f"vLLM has no loader for {family!r} drafts")
     return methods[family]
 
 
 # ---- block drafters (DFlash family) ----
-BLOCK_FAMILIES = {"dflash": "DFlashDraftModel"}  # family -> vLLM architecture
+BLOCK_FAMILIES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}  # family -> vLLM architecture
 
 
 def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(config.json, tensors) of a DFlash serving dir for vLLM."""
+    """(config.json, tensors) of a DFlash / DSpark serving dir for vLLM."""
     c = draft.config
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     cfg = {
@@ -336,6 +344,12 @@ def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -
         "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True, "causal": False},
         "torch_dtype": HF_DTYPE_NAMES[dtype], "dtype": HF_DTYPE_NAMES[dtype],
     }
+    if family == "dspark":
+        # qwen3_dspark.py: markov_head.markov_w{1,2} [V, r], confidence_head.proj [1, H (+ r)] + bias
+        # (loaded only with enable_confidence_head); DSparkSpeculator: sample_from_anchor = blocks
+        # of K slots whose anchor predicts (vLLM then takes K = num_speculative_tokens = block_size)
+        cfg.update(markov_rank=c.markov_rank, draft_vocab_size=c.vocab_size, enable_confidence_head=True,
+                   confidence_head_with_markov=c.confidence_with_markov, sample_from_anchor=True)
     rope = {k: target_config[k] for k in ROPE_FIELDS if target_config.get(k) is not None}
     cfg.update(rope or {"rope_parameters": c.rope_parameters})
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -350,10 +364,10 @@ def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -
 
 
 def block_config_from_serving(cfg: dict):
-    """A DFlash serving config.json -> (strategy name, its draft config)."""
+    """A DFlash / DSpark serving config.json -> (strategy name, its draft config)."""
     family = next((f for f, arch in BLOCK_FAMILIES.items() if cfg.get("architectures") == [arch]), None)
     if family is None:
-        raise ExportError(f"architectures {cfg.get('architectures')} is not a DFlash draft")
+        raise ExportError(f"architectures {cfg.get('architectures')} is not a DFlash or DSpark draft")
     d = cfg.get("dflash_config", {})
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
     kw = dict(
@@ -363,6 +377,10 @@ def block_config_from_serving(cfg: dict):
         target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), aux_layers=list(d["target_layer_ids"]),
         num_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"], mask_token_id=d["mask_token_id"], hidden_act=cfg.get("hidden_act", "silu"),
     )
+    if family == "dspark":
+        if not cfg.get("sample_from_anchor", True) or cfg.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"] or not cfg.get("enable_confidence_head"):
+            raise ExportError("dspark: only anchor-sampling, full-vocabulary drafts with a confidence head are read here")
+        kw.update(markov_rank=cfg["markov_rank"], confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False)))
     return family, STRATEGIES[family].config_cls(**kw)
 
 

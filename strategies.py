@@ -33,6 +33,7 @@ from data.vocab import build_vocab_mapping
 from models.dflash import OBJECTIVES as DFLASH_OBJECTIVES
 from models.dflash import DFlashConfig, DFlashDraft, block_counts, block_host, make_block_batch
 from models.domino import DominoConfig, DominoDraft
+from models.dspark import DSparkConfig, DSparkDraft, prefix_rows
 from models.eagle3 import OBJECTIVES as EAGLE3_OBJECTIVES
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
 from models.eagle3 import make_batch as eagle3_batch
@@ -127,6 +128,17 @@ def _domino_step(module, batch, counts, cfg, b, progress):  # progress drives th
     return module(batch, counts, progress=progress, loss_decay=cfg.loss_decay, attention=_block_attention(cfg))
 
 
+def _dspark_build(cfg, target, counts, tokenizer):  # blocks of K slots: the anchor slot predicts too
+    c = DSparkConfig.from_target(target.config, target.aux_layers, cfg.ttt_length, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    return DSparkDraft(c)
+
+
+def _dspark_make_batch(feats, b, target, draft):
+    batch = _block_make_batch(feats, b, target, draft, target_p=True)
+    batch.weights = prefix_rows(batch.weights)  # DSpark trains a slot only while its block prefix is trained
+    return batch
+
+
 # ---------------------------------------------------------------- peagle
 def _peagle_build(cfg, target, counts, tokenizer):
     d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
@@ -166,6 +178,12 @@ STRATEGIES: dict[str, Strategy] = {
         make_batch=lambda feats, b, target, draft: _block_make_batch(feats, b, target, draft, prev_embeds=True),
         counts=lambda batch, draft, cfg: block_counts(batch), step=_domino_step,
         config_cls=DominoConfig, draft_cls=DominoDraft, serving=None,  # no engine loader (vLLM 0.32 has none)
+    ),
+    "dspark": Strategy(
+        name="dspark", features=("aux", "final"), objectives=("ce-l1-conf",), build=_dspark_build, host=_block_host,
+        make_batch=_dspark_make_batch, counts=lambda batch, draft, cfg: block_counts(batch),
+        step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
+        config_cls=DSparkConfig, draft_cls=DSparkDraft, serving="dspark",
     ),
 }
 

@@ -286,7 +286,7 @@ class PEagleProposer(Eagle3Proposer):
 
 
 class BlockProposer(Proposer):
-    """Block drafting (DFlash): each step drafts one block of K tokens anchored at the newest
+    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at the newest
     committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
     committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
     precompute) and extends it with the rows the target verified."""
@@ -318,6 +318,27 @@ class BlockProposer(Proposer):
         return Tree(list(toks), list(range(-1, len(toks) - 1)))
 
 
+class DSparkProposer(BlockProposer):
+    """DSpark block drafting: the parallel backbone, then the Markov head left to right; the
+    confidence head's c_k (acceptance of drafted token k given its prefix) can cut the block
+    where the prefix survival Π_{j<=k} c_j drops below min_survival (DSpark's confidence-scheduled
+    verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K."""
+
+    def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0):
+        super().__init__(draft, embed_tokens, head_weight, "dspark")
+        if not 0.0 <= min_survival <= 1.0:
+            raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
+        self.min_survival = min_survival
+        self.confidence: list[list[float]] = []  # c_k of every proposed block
+
+    def propose(self, ids) -> Tree:
+        logits, conf = self.draft.block_logits(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        toks, survival = logits.argmax(-1).tolist(), conf.cumprod(0).tolist()
+        self.confidence.append(conf.tolist())
+        keep = len(toks) if self.min_survival <= 0 else sum(1 for s in survival if s >= self.min_survival)
+        return Tree(toks[:keep], list(range(-1, keep - 1)))
+
+
 def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Proposer:
     """The PyTorch proposer of a draft (any family) for an HF target `model`. depth / topk apply
     to EAGLE-3 (chain of `depth`, or a top-k tree); the other families draft the K tokens they
@@ -327,6 +348,8 @@ def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Propo
         return Eagle3Proposer(draft, embed, depth=depth or 3, topk=topk)
     if draft.family == "peagle":
         return PEagleProposer(draft, embed)
+    if draft.family == "dspark":
+        return DSparkProposer(draft, embed, model.get_output_embeddings().weight)
     return BlockProposer(draft, embed, model.get_output_embeddings().weight, draft.family)
 
 

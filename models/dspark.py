@@ -1,0 +1,127 @@
+"""DSpark (Cheng et al., 2026, "DSpark: Confidence-Scheduled Speculative Decoding with
+Semi-Autoregressive Generation"; DeepSeek's DeepSpec): a DFlash backbone drafting a whole block in
+one parallel pass, then a sequential low-rank Markov head and a confidence head.
+
+Layout (vLLM 0.32 qwen3_dspark.py / v1/worker/gpu/spec_decode/dspark, sample_from_anchor=True):
+a block anchored at position a (the newest committed token) holds B = K slots at positions
+a .. a+K-1: slot 0 = the anchor token, slots 1..K-1 = the mask token, and EVERY slot predicts
+the next token (slot k -> drafted token k = position a + k + 1); DFlash's K + 1 layout instead
+predicts only at the mask slots. Same mask as DFlash (context j < a, the block both ways).
+
+Heads (tensor names are vLLM's):
+  markov_head.markov_w1  Embedding [V, r]   e_k = w1[x_{k-1}] (x_{-1} = the anchor, then drafted tokens)
+  markov_head.markov_w2  [V, r]             logits_k = z_k @ lm_head^T + w2 @ e_k
+  confidence_head.proj   Linear(H + r -> 1, bias)   c_k = sigmoid(proj([z_k ; e_k])): predicted
+                         probability that drafted token k is accepted given its prefix was
+The backbone's z_k is computed once per block; only the rank-r Markov step is sequential.
+
+Training (DeepSpec compute_dspark_loss, teacher-forced prefixes x = the data tokens):
+  rows  trained slots whose whole prefix in the block is trained (DeepSpec's cumprod eval mask)
+  w_k   = exp(-k / gamma), gamma = 4 (DeepSpec's Qwen3 recipe)
+  ce    Σ w·(-log softmax(logits)[label]) / Σ w                           (hard labels)
+  l1    Σ w·||softmax(logits) - p_target||_1 / Σ w                        (target distribution)
+  conf  Σ w·BCE(c_k logit, α_k) / Σ w,  α_k = 1 - ½||q - p||_1 (detached) = Σ min(p, q), the
+        probability that sampling verification accepts the drafted token
+  loss  = 0.1·ce + 0.9·l1 + 1.0·conf
+acc_k = argmax(logits_k) == label; greedy verification accepts while that holds.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.ce import hard_cross_entropy
+from models.dflash import BlockBatch, DFlashConfig, DFlashDraft
+
+GAMMA, CE_ALPHA, L1_ALPHA, CONF_ALPHA = 4.0, 0.1, 0.9, 1.0  # DeepSpec config/dspark/dspark_qwen3_8_27b.py
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    markov_rank: int = 256  # r (DeepSpec's default)
+    confidence_with_markov: bool = True  # confidence reads [z ; e] (else z alone)
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, V: int, r: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(V, r)
+        self.markov_w2 = nn.Linear(r, V, bias=False)  # weight [V, r], as vLLM's ParallelLMHead
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, 1)
+
+
+def prefix_rows(weights_BnK: torch.Tensor) -> torch.Tensor:
+    """DSpark's trained rows: a slot counts only while every earlier slot of its block is trained."""
+    return weights_BnK.cumprod(-1)
+
+
+class DSparkDraft(DFlashDraft):
+    family = "dspark"
+    prediction_offset = 0  # the anchor slot predicts drafted token 0
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        c = config
+        self.markov_head = MarkovHead(c.vocab_size, c.markov_rank)
+        self.confidence_head = ConfidenceHead(c.hidden_size + (c.markov_rank if c.confidence_with_markov else 0))
+
+    def confidence_logit(self, z_NH, e_Nr):
+        x = torch.cat([z_NH, e_Nr], -1) if self.config.confidence_with_markov else z_NH
+        return self.confidence_head.proj(x.float())[:, 0]
+
+    # ---- training ----
+    def forward(self, batch: BlockBatch, counts: torch.Tensor, attention: str = "dense", gamma: float = GAMMA):
+        """counts [K, 2] (global, of batch.weights: make the batch with prefix_rows applied).
+        Returns the loss and per-slot {loss_sum: Σ nll, correct}."""
+        if batch.target_p is None:
+            raise ValueError("dspark needs make_block_batch(..., target_p=True)")
+        K = self.K
+        h = self.backbone(batch, attention)  # [B, n, K, H]
+        sel = batch.weights > 0
+        slot = torch.arange(K, device=h.device).expand_as(sel)[sel]
+        z = h[sel]  # [N, H]
+        e = self.markov_head.markov_w1(batch.prev_ids[sel])  # [N, r]: teacher-forced previous token
+        logits = z @ batch.head.T.to(h.dtype) + self.markov_head.markov_w2(e)  # [N, V]
+        labels, p = batch.labels[sel], batch.target_p[sel].float()
+        decay = torch.exp(-torch.arange(K, device=h.device).float() / gamma)
+        w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
+        q = logits.float().softmax(-1)
+        tv = (q - p).abs().sum(-1)  # [N] L1 distance
+        alpha = (1 - 0.5 * tv.detach()).clamp(0, 1)
+        conf = F.binary_cross_entropy_with_logits(self.confidence_logit(z, e), alpha, reduction="none")
+        with torch.no_grad():
+            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
+        ce, top = hard_cross_entropy(logits, labels, w, return_argmax=True)  # backward overwrites logits: used last
+        loss = (CE_ALPHA * ce + L1_ALPHA * (w * tv).sum() + CONF_ALPHA * (w * conf).sum()) / denom
+        stats = {
+            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
+            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
+        }
+        return loss, stats
+
+    # ---- inference ----
+    @torch.no_grad()
+    def block_logits(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None):
+        """(logits [K, V], confidence [K]) of one block: the parallel backbone, then the Markov
+        head left to right. tokens = the drafted tokens to condition on; None = greedy (what vLLM's
+        DSparkSpeculator does with draft_sample_method greedy)."""
+        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)  # [K, H]
+        base = z @ head_VH.T.to(z.dtype)
+        logits, conf = torch.empty_like(base), torch.empty(self.K, device=z.device)
+        prev = torch.tensor([anchor_id], device=z.device)
+        for k in range(self.K):
+            e = self.markov_head.markov_w1(prev)  # [1, r]
+            logits[k] = base[k] + self.markov_head.markov_w2(e)[0]
+            conf[k] = torch.sigmoid(self.confidence_logit(z[k : k + 1], e))[0]
+            prev = logits[k].argmax()[None] if tokens is None else torch.tensor([tokens[k]], device=z.device)
+        return logits, conf
+
+    @torch.no_grad()
+    def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
+        return self.block_logits(anchor_id, anchor_pos, ctx_kv, embed_tokens, head_VH)[0].argmax(-1).tolist()
