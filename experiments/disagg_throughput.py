@@ -78,8 +78,10 @@ def main():
         for name, extra in MODES.items():
             if name in done:
                 continue
+            load0 = os.getloadavg()[0]  # other work on the machine skews the comparison: recorded
             res = run(name, extra, Path(args.out) / name.replace(" ", "_").replace("+", ""))
-            res.update(hardware=hardware("cpu"), versions=versions(), git_commit=git_commit(),
+            res.update(loadavg_1min_before=round(load0, 2), loadavg_1min_after=round(os.getloadavg()[0], 2),
+                       hardware=hardware("cpu"), versions=versions(), git_commit=git_commit(),
                        date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
             RESULTS.mkdir(parents=True, exist_ok=True)
             with open(JSONL, "a") as f:
