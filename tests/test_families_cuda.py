@@ -1,0 +1,54 @@
+"""GPU checks of the block / parallel drafters' FlexAttention path: flex has no backward on CPU
+(torch 2.13), so its gradients are compared with the dense path's here, on the H200
+(`pytest -m cuda tests/test_families_cuda.py` through the device tool). fp32, tiny random target;
+the batches are built on the CPU exactly as the CPU tests build them, then moved."""
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+def to_cuda(batch):
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).cuda() for f in dataclasses.fields(batch)
+                                         if torch.is_tensor(getattr(batch, f.name))})
+
+
+def loss_and_grads(draft, run):
+    draft.zero_grad(set_to_none=True)
+    loss, stats = run()
+    loss.backward()
+    return loss.detach(), stats, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+
+def assert_same(a, b):
+    (la, sa, ga), (lb, sb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+    assert torch.equal(sa["correct"], sb["correct"])
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("objective", ["ce", "dpace"])
+def test_dflash_flex_gradients_equal_dense(objective):
+    from models.dflash import block_counts
+    from tests.test_dflash import setup
+
+    draft, batch, *_ = setup(seed=3, K=3, hidden=64, heads=4, n_examples=4, max_len=150)
+    draft, batch = draft.cuda(), to_cuda(batch)
+    counts = block_counts(batch)
+    runs = [loss_and_grads(draft, lambda a=a: draft(batch, counts, objective=objective, attention=a)) for a in ("dense", "flex")]
+    assert_same(*runs)
+
+
+def test_peagle_flex_gradients_equal_dense():
+    from models.peagle import peagle_counts
+    from tests.test_peagle import setup
+
+    draft, batch, *_ = setup(seed=3, K=4, hidden=64, heads=4, max_len=150)
+    draft, batch = draft.cuda(), to_cuda(batch)
+    counts = peagle_counts(batch, draft.K)
+    runs = [loss_and_grads(draft, lambda a=a: draft(batch, counts, attention=a)) for a in ("dense", "flex")]
+    assert_same(*runs)
