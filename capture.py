@@ -372,7 +372,16 @@ def _read_jsonl_repair(path: Path) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(keep)
         raw = raw[:keep]
-    return [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:  # not a crash mid-write: the file was damaged or mixed; keep it as it is
+            raise SystemExit(f"error: {path}:{n}: not a JSON line ({e.msg}); nothing was changed. Fix or remove that line "
+                             f"(or move the file aside to start over) and rerun to resume") from None
+    return rows
 
 
 def _append(path: Path, rows: list[dict]):

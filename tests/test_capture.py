@@ -266,3 +266,20 @@ def test_deadline_discards_an_unfinished_batch(tiny_run_inputs):
     cfg = regen_cfg(target, "x", "x")
     assert regenerate_batch(model, tok, convs, cfg, _Deadline(time.time() - 1)) is None
     assert regenerate_batch(model, tok, convs, cfg, _Deadline(None))[0][0]["turns"] == 1
+
+
+def test_regen_output_repair_and_damaged_lines(tmp_path):
+    """A partial last line (a crash mid-write) is cut off; a damaged line in the middle stops the
+    resume with its file and line number and leaves the file untouched."""
+    from capture import _read_jsonl_repair
+
+    p = tmp_path / "regen.jsonl"
+    p.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "mess')
+    assert [r["id"] for r in _read_jsonl_repair(p)] == [1, 2]
+    assert p.read_text() == '{"id": 1}\n{"id": 2}\n'
+    damaged = '{"id": 1}\n{"id": 2, oops\n{"id": 3}\n'
+    p.write_text(damaged)
+    with pytest.raises(SystemExit, match=r"regen.jsonl:2: not a JSON line"):
+        _read_jsonl_repair(p)
+    assert p.read_text() == damaged
+    assert _read_jsonl_repair(tmp_path / "missing.jsonl") == []
