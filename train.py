@@ -112,6 +112,9 @@ class TrainConfig:
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (one rank only for now)"""
+    tp: int = 1
+    """tensor-parallel size of the compiled target: torchrun ranks [d*tp, (d+1)*tp) run it together on one batch
+    (dp = world/tp data-parallel groups); the draft stays FSDP2 over all ranks"""
     progress: bool = True
     deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
     """disaggregated online training: producer and consumer pools (disagg/)"""
@@ -167,6 +170,21 @@ class Trainer:
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
         if kind == "cuda":
             torch.cuda.set_device(self.device)
+        # --tp: a (dp, tp) mesh, rank = d*tp + t. Ranks of one tp group (contiguous, so on one host's
+        # NVLink) run the target on one batch together: data is split by dp rank, not rank. The draft
+        # stays FSDP2 over the whole world: tp peers get identical batches, hence identical gradients,
+        # and the global normalisers (summed over all ranks) and FSDP's world average count each tp-fold,
+        # which cancels; one sharded copy cannot drift apart as dp-only replicas could under GPU
+        # nondeterminism.
+        self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
+        if cfg.tp > 1:
+            if self.world % cfg.tp or cfg.backend != "compiled" or cfg.features or cfg.deploy.role:
+                raise SystemExit(f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
+                                 "with an online target (no --features, no disaggregated roles)")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(kind, (self.world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+            self.tp_mesh, self.dp_rank, self.dp_size = mesh["tp"], mesh.get_local_rank("dp"), mesh.size(0)
         # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
         self.dtype = torch.bfloat16 if kind == "cuda" else torch.float32
         torch.manual_seed(cfg.seed)
@@ -188,6 +206,9 @@ class Trainer:
             from models.fast_target import FastTarget
 
             self.target = FastTarget.from_pretrained(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
+            if self.tp_mesh is not None:
+                self.target.parallelize(self.tp_mesh)
+                self.print(f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)")
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         else:
@@ -259,7 +280,7 @@ class Trainer:
         if self.cfg.compile:  # one shape for every batch: pad to max_len, a multiple of the flex block
             T = max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128)
             b = {k: torch.nn.functional.pad(v, (0, T - v.shape[1])) for k, v in b.items()}
-        b = self.strategy.host(b, self.cfg, self.device, key, first=self.rank * len(examples))
+        b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
         b.update(examples=examples, ntok=int(b["attention_mask"].sum()), padded=not bool(b["attention_mask"].all()))
         return b
 
@@ -297,9 +318,9 @@ class Trainer:
         tot_loss, tot_correct, tot_counts = torch.zeros(K), torch.zeros(K), torch.zeros(K, 2)
         # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
         # past the end reruns its first batch with weight 0
-        n_iter = math.ceil(len(self.eval_set) / (bs * self.world))
+        n_iter = math.ceil(len(self.eval_set) / (bs * self.dp_size))
         for j in range(n_iter):
-            i = (j * self.world + self.rank) * bs
+            i = (j * self.dp_size + self.dp_rank) * bs
             w = float(i < len(self.eval_set))
             _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j)
             tot_loss += w * stats["loss_sum"].float().cpu()
@@ -366,7 +387,7 @@ class Trainer:
     # ---- hooks (disagg/roles.py's consumer overrides them) ----
     def step_examples(self, step: int) -> list:
         """This rank's examples of optimizer step `step`."""
-        return [self.train_set[i] for i in self.batches.indices(step, self.rank, self.world)]
+        return [self.train_set[i] for i in self.batches.indices(step, self.dp_rank, self.dp_size)]
 
     def after_step(self, step: int):
         """Called after each optimizer step."""
@@ -419,7 +440,7 @@ class Trainer:
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
                 m.update(loss=(all_sum(loss.detach().clone()) / self.world).item(), lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
-                m["tokens_per_s"] = tokens * self.world / (time.time() - t0)
+                m["tokens_per_s"] = tokens * self.dp_size / (time.time() - t0)
                 self.log.write({"step": step + 1, "split": "train", **m})
                 if bar:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")

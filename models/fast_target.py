@@ -27,9 +27,11 @@ What makes it fast (gpt-fast / torchtitan style):
     group sizes need no padding in forward (torchtitan pads to 8 for the backward's K-grouped
     GEMM). Elsewhere a padded batched matmul (one host sync). Never a Python loop over experts.
 
-Tensor parallelism (a later issue) fits the layout: q/k/v and gate/up are column-parallel,
-o and down row-parallel (DTensor `parallelize_module`), and head counts are read from the
-projected shapes (view(..., -1, head_dim)), so a layer runs unchanged on its local heads.
+Tensor parallelism (`FastTarget.parallelize(tp_mesh)`, Megatron-LM style): q/k/v and gate/up
+column-parallel, o and down row-parallel, MoE experts split along their intermediate dimension;
+head counts are read from the projected shapes (view(..., -1, head_dim)), so a layer runs
+unchanged on its local heads. Plain sharded tensors + one functional all-reduce per sub-layer,
+not DTensor: see `parallelize` for why.
 """
 import json
 import math
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -490,6 +493,72 @@ class FastTarget(nn.Module):
         self.cudagraphs = mode in ("reduce-overhead", "max-autotune")
         for layer in self.model.layers:
             layer.compile(mode=mode, fullgraph=True, dynamic=dynamic)
+        return self
+
+    # ---- tensor parallelism ----
+    def parallelize(self, tp_mesh) -> "FastTarget":
+        """Tensor parallelism over the 1-D DeviceMesh `tp_mesh` (Megatron-LM, Shoeybi et al. 2019),
+        in place; call it before compile_layers. Every rank of the mesh must feed the same batch.
+
+        Rank r of tp keeps: q/k/v rows of its heads (heads r*n/tp .. (r+1)*n/tp, KV heads likewise,
+        so GQA groups stay on one rank), o_proj's matching columns; gate/up rows and down columns
+        of its 1/tp of the intermediate dimension; every expert's slice of the same kind
+        (gate_up [E, 2I/tp, H] = its gate rows then its up rows; down [E, H, I/tp]). Each attention
+        and each MLP / MoE block thus returns a partial sum [B, T, H], completed by one all-reduce
+        (a forward hook). Replicated: embeddings, norms (q/k norms are per head_dim), the router,
+        lm_head. A row-parallel bias is kept on rank 0 only (zeros elsewhere) so the sum adds it once.
+
+        Plain tensors sharded by hand + funcol.all_reduce rather than DTensor parallelize_module:
+        the stacked gate_up layout needs a strided split (its gate and up halves each cut in tp
+        pieces), which Shard(1) cannot express, and torch._grouped_mm / the padded-bmm custom op
+        would need DTensor sharding rules; plain tensors keep the one compiled layer graph
+        (functional collectives trace into it, as in gpt-fast) and every output a plain,
+        replicated torch.Tensor, so the draft side is unchanged. On NCCL this is the same code."""
+        tp, r = tp_mesh.size(), tp_mesh.get_local_rank()
+        c = self.config
+        if tp_mesh.ndim != 1:
+            raise ValueError(f"parallelize takes a 1-D tensor-parallel mesh, got {tp_mesh.ndim}-D (pass mesh['tp'])")
+        if getattr(self, "tp", 1) != 1:
+            raise RuntimeError("this FastTarget is already tensor-parallel")
+        sizes = {"num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads}
+        if any(not c.is_moe(i) for i in range(len(self.model.layers))):
+            sizes["intermediate_size"] = c.intermediate_size
+        if c.num_experts:
+            sizes["moe_intermediate_size"] = c.moe_intermediate_size
+        bad = {k: v for k, v in sizes.items() if v % tp}
+        if bad:
+            raise ValueError(f"tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                             f"(each rank holds whole heads and an equal share of the MLP); choose --tp among the common divisors")
+
+        def shard(t, dim):  # rank r's contiguous 1/tp of dim, in its own storage (the full tensor is freed)
+            return nn.Parameter(t.chunk(tp, dim)[r].clone(memory_format=torch.contiguous_format), requires_grad=False)
+
+        group = tp_mesh.get_group().group_name  # a string: a constant for dynamo
+
+        def all_reduce(module, args, partial_BTH):
+            return funcol.all_reduce(partial_BTH, "sum", group)
+
+        for layer in self.model.layers:
+            a = layer.self_attn
+            for proj in (a.q_proj, a.k_proj, a.v_proj):  # column-parallel: rows = this rank's heads
+                proj.weight = shard(proj.weight, 0)
+                if proj.bias is not None:
+                    proj.bias = shard(proj.bias, 0)
+            a.o_proj.weight = shard(a.o_proj.weight, 1)  # row-parallel: columns = this rank's heads
+            if a.o_proj.bias is not None and r != 0:
+                a.o_proj.bias.data.zero_()
+            a.register_forward_hook(all_reduce)
+            m = layer.mlp
+            if isinstance(m, SparseMoE):
+                e = m.experts
+                gate, up = e.gate_up_proj.chunk(2, dim=1)  # [E, I, H] each
+                e.gate_up_proj = nn.Parameter(torch.cat([shard(gate, 1), shard(up, 1)], 1), requires_grad=False)
+                e.down_proj = shard(e.down_proj, 2)
+            else:
+                m.gate_proj.weight, m.up_proj.weight = shard(m.gate_proj.weight, 0), shard(m.up_proj.weight, 0)
+                m.down_proj.weight = shard(m.down_proj.weight, 1)
+            m.register_forward_hook(all_reduce)
+        self.tp = tp
         return self
 
     # ---- forward ----
