@@ -1,0 +1,91 @@
+"""Write a random-weight target directory from a preset, for throughput runs of train.py itself
+(multi-GPU tables) where no real 8B / 30B checkpoint is on the machine.
+
+    python tools/random_target.py llama-3.1-8b /tmp/llama8b            # on a GPU: ~1 min, 16 GB
+    python tools/random_target.py qwen3-30b-a3b /tmp/qwen30b --device cuda
+    torchrun --nproc_per_node=8 train.py --target /tmp/llama8b --backend compiled ...
+
+The directory holds config.json (the preset's HF fields), model-XXXXX.safetensors shards (the
+compiled backend's names: experts stacked as transformers 5 lays them out; `--backend compiled`
+reads them, the HF backend is not the intended reader) and a tokenizer with a chat template
+(SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
+N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
+"""
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.fast_target import PRESETS, FastTarget, TargetConfig  # noqa: E402
+from models.target import DEFAULT_TARGET, resolve_target  # noqa: E402
+
+SHARD_BYTES = 4 << 30
+
+
+def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """Build the model on `device`, write it to `out` (through a temporary dir renamed into place)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
+    if len(tok) > config["vocab_size"]:
+        raise ValueError(f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the preset's vocab_size {config['vocab_size']}")
+    if not tok.chat_template:
+        raise ValueError(f"tokenizer {tokenizer!r} has no chat template; train.py needs one")
+    # aux layer 0 + need_final: every layer is built (which aux layers a run reads is its own choice)
+    model = FastTarget.from_config(TargetConfig.from_dict(config), [0], dtype=dtype, device=device, seed=seed)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shard, size, n = {}, 0, 0
+    names = []
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file({k: v.contiguous().cpu() for k, v in shard.items()}, tmp / name, metadata={"format": "pt"})
+            names.append(name)
+            shard, size, n = {}, 0, n + 1
+
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        shard[k] = v
+        size += v.numel() * v.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": {"seed": seed, "tokenizer": tokenizer}}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("preset", help=f"one of {', '.join(PRESETS)}, or a config.json path")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=DEFAULT_TARGET, help="model dir / .gguf / 'smollm2' whose tokenizer is copied")
+    a = ap.parse_args()
+    config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed)
+    print(f"wrote {out} ({sum(f.stat().st_size for f in out.glob('*.safetensors')) / 2**30:.1f} GiB)")
+
+
+if __name__ == "__main__":
+    main()
