@@ -479,6 +479,8 @@ def main(cfg: TrainConfig):
     try:
         trainer = Trainer(cfg)
         res = trainer.train()
+        if dist.is_initialized():  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
+            dist.barrier()
     except (DataError, FileNotFoundError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
