@@ -274,12 +274,12 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
     family = STRATEGIES[meta["strategy"]].serving
     if family is None:
         raise ExportError(f"strategy {meta['strategy']!r}: no serving engine here loads it (README, 'Draft families')")
+    prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
     if family in BLOCK_FAMILIES:
         if engine != "vllm" or with_embeddings:
             raise ExportError(f"{family}: only the vLLM format is written (no embeddings: vLLM shares the target's)")
         cfg, sd = block_serving(draft, family, tc, tdtype)
-        return _write(out, cfg, sd, {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None,
-                                     "checkpoint": meta["checkpoint"], "strategy": meta["strategy"]})
+        return _write(out, cfg, sd, {**prov, "strategy": meta["strategy"]})
     sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     if with_embeddings:
         if c.hidden_size != c.target_hidden_size:
@@ -287,7 +287,6 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
         sd["embed_tokens.weight"] = _target_embeddings(target_dir).to(tdtype).contiguous()
     check_tensors(sd, c, "export")
     cfg = serving_config(c, tc, engine, tdtype)
-    prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
     if family == "peagle":
         if engine != "vllm":
             raise ExportError("peagle: only the vLLM format is written (SGLang has no EAGLE-3 parallel drafting here)")
@@ -355,7 +354,8 @@ def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in target_config:
             cfg[k] = target_config[k]
-    want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
+    with torch.device("meta"):  # shapes only: no second copy of the weights
+        want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items()}
     if want != got or not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
         raise ExportError(f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "

@@ -71,14 +71,18 @@ def pick_mask_token(tokenizer, counts: torch.Tensor) -> int:
 
 
 # ---------------------------------------------------------------- eagle3 (+ EAGLE-3.1, LK)
-def _eagle3_build(cfg, target, counts, tokenizer):
-    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
-    moe = {k: getattr(cfg, k) for k in Eagle3Config.__dataclass_fields__ if k.startswith("moe_") and hasattr(cfg, k)}  # MoE draft MLP
-    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe)
-    draft = Eagle3Draft(c)
+def _with_vocab(draft, counts, size: int):
+    """Fill the draft's d2t / t2d with the `size` most frequent trained tokens (EAGLE-3, P-EAGLE)."""
+    d2t, t2d = build_vocab_mapping(counts, size)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     return draft
+
+
+def _eagle3_build(cfg, target, counts, tokenizer):
+    moe = {k: getattr(cfg, k) for k in Eagle3Config.__dataclass_fields__ if k.startswith("moe_") and hasattr(cfg, k)}  # MoE draft MLP
+    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe)
+    return _with_vocab(Eagle3Draft(c), counts, cfg.draft_vocab_size)
 
 
 def _eagle3_host(b, cfg, device, key, first=0):
@@ -141,13 +145,9 @@ def _dspark_make_batch(feats, b, target, draft):
 
 # ---------------------------------------------------------------- peagle
 def _peagle_build(cfg, target, counts, tokenizer):
-    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)
     c = PEagleConfig.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
                                  mask_token_id=pick_mask_token(tokenizer, counts), depths=cfg.ttt_length)
-    draft = PEagleDraft(c)
-    draft.d2t.copy_(d2t)
-    draft.t2d.copy_(t2d)
-    return draft
+    return _with_vocab(PEagleDraft(c), counts, cfg.draft_vocab_size)
 
 
 def _peagle_make_batch(feats, b, target, draft):

@@ -45,14 +45,12 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shard, size, n = {}, 0, 0
-    names = []
 
     def flush():
         nonlocal shard, size, n
         if shard:
             name = f"model-{n:05d}.safetensors"
             save_file({k: v.contiguous().cpu() for k, v in shard.items()}, tmp / name, metadata={"format": "pt"})
-            names.append(name)
             shard, size, n = {}, 0, n + 1
 
     for k, v in model.state_dict().items():
