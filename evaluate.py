@@ -150,6 +150,9 @@ class EvalArgs:
     """assert every output equals plain greedy decoding (one more decode per prompt)"""
     dtype: str = "fp32"
     """fp32 (CPU) | bf16"""
+    device: str = "cpu"
+    """where target and draft decode (batch 1): cpu | cuda (verification keeps the outputs greedy-exact on
+    either; near-ties can resolve differently between devices, so compare τ measured on one device)"""
     threads: int = 0
     """torch threads (0 = torch's default)"""
     vllm: bool = False
@@ -174,11 +177,13 @@ def main(a: EvalArgs) -> dict:
     except (ExportError, FileNotFoundError) as e:
         raise SystemExit(f"cannot load the draft: {e}") from None
     target_dir = resolve_target(a.target or recorded or "smollm2")
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device here")
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval().to(a.device)
     tok = load_tokenizer(target_dir)
     if model.config.vocab_size != draft.config.vocab_size:
         raise SystemExit(f"draft vocab {draft.config.vocab_size} != target vocab {model.config.vocab_size}: wrong --target?")
-    draft.to(dtype)
+    draft.to(device=a.device, dtype=dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
     if draft.family == "eagle3":
@@ -192,7 +197,7 @@ def main(a: EvalArgs) -> dict:
     result = {
         "draft": str(a.draft), "target": str(target_dir), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
         "dtype": a.dtype, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
-        "versions": versions(), "hardware": hardware("cpu"), "results": {},
+        "versions": versions(), "hardware": hardware(a.device), "results": {},
     }
     replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
     for name in a.data:

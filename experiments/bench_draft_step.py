@@ -2,6 +2,9 @@
 
     python experiments/bench_draft_step.py                # Llama-3.1-8B-shaped draft, seq 4096, TTT 7
     python experiments/bench_draft_step.py --smoke        # tiny shapes on CPU: checks the script runs
+    python experiments/bench_draft_step.py --shape smollm2 --seq 512 --batch 16 --draft-vocab 8192 \
+        --ttt 1 2 3 5 7 9 13 --attention flex --loss triton --out experiments/results/ttt_cost_h200.jsonl
+        # the cost per TTT of the ttt_scaling.py drafts, each step alone on the GPU
 
 The step is the draft's part of training: TTT forward over the target features, backward,
 AdamW step (bf16 parameters, batch 1). The target's features are random tensors of the right
@@ -35,6 +38,16 @@ def llama8b_draft(draft_vocab: int) -> Eagle3Config:
     )
 
 
+def smollm2_draft(draft_vocab: int) -> Eagle3Config:
+    """SmolLM2-135M-Instruct's shapes (30 layers, hidden 576, 9 / 3 heads of 64)."""
+    return Eagle3Config(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=8192, vocab_size=49152, draft_vocab_size=draft_vocab,
+        target_hidden_size=576, aux_layers=[1, 14, 26],
+    )
+
+
 def tiny_draft(draft_vocab: int) -> Eagle3Config:
     return Eagle3Config(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -62,7 +75,8 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--ttt", type=int, nargs="+", default=[7], help="one measurement per TTT length")
+    ap.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--attention", nargs="*", default=["eager", "lse", "flex"])
     ap.add_argument("--loss", nargs="*", default=list(LOSSES))
@@ -74,7 +88,7 @@ def main():
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
-    cfg = tiny_draft(300) if smoke else llama8b_draft(args.draft_vocab)
+    cfg = tiny_draft(300) if smoke else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.shape](args.draft_vocab)
     T = 96 if smoke else args.seq
     if smoke:
         args.attention = [a for a in args.attention if a != "flex"]  # no flex backward on CPU
@@ -88,78 +102,79 @@ def main():
     draft.t2d[: cfg.draft_vocab_size] = True
     batch = random_batch(cfg, args.batch, T, dtype, device)
     batch.target_top.remainder_(cfg.draft_vocab_size)
-    counts = local_counts(batch, draft.t2d, args.ttt)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
     n_params = sum(p.numel() for p in draft.parameters())
     base = {
-        "name": "draft_step", "seq": T, "batch": args.batch, "ttt": args.ttt, "vocab": cfg.draft_vocab_size,
+        "name": "draft_step", "seq": T, "batch": args.batch, "vocab": cfg.draft_vocab_size,
         "hidden": cfg.hidden_size, "params_m": round(n_params / 1e6, 1), "dtype": str(dtype).split(".")[-1],
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
 
-    def step(attention, loss):
-        total, _ = draft(batch, args.ttt, counts, attention=attention, loss=loss)
+    def step(attention, loss, ttt, counts):
+        total, _ = draft(batch, ttt, counts, attention=attention, loss=loss)
         total.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total.detach()
 
-    ref_loss = None
     rows = []
-    for attention in args.attention:
-        for loss in args.loss:
-            assert attention in ATTENTION and loss in LOSSES
-            row = dict(base, impl=f"{attention}+{loss}", attention=attention, loss=loss)
-            state = {k: v.clone() for k, v in draft.state_dict().items()}
-            try:
-                times = []
-                for i in range(args.warmup + args.iters):
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        before = torch.cuda.memory_allocated()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                    else:
-                        import time
+    for ttt in args.ttt:
+        counts = local_counts(batch, draft.t2d, ttt)
+        ref_loss = None
+        for attention in args.attention:
+            for loss in args.loss:
+                assert attention in ATTENTION and loss in LOSSES
+                row = dict(base, ttt=ttt, impl=f"{attention}+{loss}", attention=attention, loss=loss)
+                state = {k: v.clone() for k, v in draft.state_dict().items()}
+                try:
+                    times = []
+                    for i in range(args.warmup + args.iters):
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            before = torch.cuda.memory_allocated()
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                        else:
+                            import time
 
-                        t0 = time.perf_counter()
-                    first_loss = step(attention, loss)
-                    if device == "cuda":
-                        end.record()
-                        torch.cuda.synchronize()
-                        ms = start.elapsed_time(end)
-                        peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-                    else:
-                        ms, peak = (time.perf_counter() - t0) * 1e3, float("nan")
-                    if i == 0:  # same parameters for every combination's first step: same loss
-                        loss0 = float(first_loss)
-                        ref_loss = loss0 if ref_loss is None else ref_loss
-                    if i >= args.warmup:
-                        times.append(ms)
-                row.update(ms=statistics.median(times), peak_gib=round(peak, 3),
-                           tokens_per_s=args.batch * T / (statistics.median(times) / 1e3),
-                           loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
-            except torch.OutOfMemoryError:
-                row.update(ms=None, peak_gib=None, oom=True)
-                opt.zero_grad(set_to_none=True)
-            draft.load_state_dict(state)
-            opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                            t0 = time.perf_counter()
+                        first_loss = step(attention, loss, ttt, counts)
+                        if device == "cuda":
+                            end.record()
+                            torch.cuda.synchronize()
+                            ms = start.elapsed_time(end)
+                            peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+                        else:
+                            ms, peak = (time.perf_counter() - t0) * 1e3, float("nan")
+                        if i == 0:  # same parameters for every combination's first step: same loss
+                            loss0 = float(first_loss)
+                            ref_loss = loss0 if ref_loss is None else ref_loss
+                        if i >= args.warmup:
+                            times.append(ms)
+                    row.update(ms=statistics.median(times), peak_gib=round(peak, 3),
+                               tokens_per_s=args.batch * T / (statistics.median(times) / 1e3),
+                               loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
+                except torch.OutOfMemoryError:
+                    row.update(ms=None, peak_gib=None, oom=True)
+                    opt.zero_grad(set_to_none=True)
+                draft.load_state_dict(state)
+                opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    print(f"{'impl':16s} {'ms':>9s} {'peak GiB':>9s} {'tok/s':>9s} loss_err")
+    print(f"{'ttt':>4s} {'impl':16s} {'ms':>9s} {'peak GiB':>9s} {'tok/s':>9s} loss_err")
     for r in rows:
         if r.get("oom"):
-            print(f"{r['impl']:16s}       OOM")
+            print(f"{r['ttt']:4d} {r['impl']:16s}       OOM")
         else:
-            print(f"{r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}")
+            print(f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ temporary directory unless --csv says otherwise).
 import csv
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ RESULTS = ROOT / "experiments" / "results"
 BENCHMARKS = ("mtbench", "humaneval", "gsm8k")
 COLUMNS = [
     "study", "setting", "seed", *(f"tau_{b}" for b in BENCHMARKS), "tau_mean", "eval_k", "acc_0_heldout",
-    "train_seconds", "eval_seconds", "peak_memory_gib", "peak_memory_kind", "draft_params_m", "scale",
+    "train_seconds", "parallel", "eval_seconds", "peak_memory_gib", "peak_memory_kind", "draft_params_m", "scale",
     "config", "git_commit", "hardware", "versions", "date", "train_cmd", "eval_cmd", "run_dir",
 ]
 
@@ -61,7 +62,15 @@ class SweepArgs:
     eval_k: int = 7
     """chain drafting depth K of the evaluation (the same for every setting)"""
     eval_threads: int = 0
+    """torch threads of each evaluate.py (0 = the cores / (2 x --parallel) when runs overlap, else torch's default)"""
+    parallel: int = 1
+    """trainings at once on the one GPU (a SmolLM2-sized run leaves most of an H200 idle); each gets
+    OMP_NUM_THREADS = cores / (2 x parallel) unless set, and train_seconds then counts the sharing
+    (the row's `parallel` column says how many ran at once)"""
     device: str = "auto"
+    eval_device: str = "cpu"
+    """where evaluate.py decodes: cpu (fp32, the CPU machine's numbers) | cuda (fp32 on the GPU, beside the
+    trainings: a GPU sweep's evaluations then cost seconds, not CPU-minutes each)"""
     overlap_eval: bool = True
     """evaluate run i (CPU) while run i+1 trains (only when training is on a GPU)"""
     budget_minutes: float = 60.0
@@ -78,7 +87,7 @@ class SweepArgs:
     def scale(self) -> dict:
         """What makes two rows comparable (part of the skip key)."""
         keys = ("target", "num_records", "steps", "batch_size", "max_len", "lr", "holdout", "draft_vocab_size", "num_prompts",
-                "max_new_tokens", "eval_k", "train_args")
+                "max_new_tokens", "eval_k", "eval_device", "train_args")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -138,6 +147,7 @@ class Sweep:
         self.study, self.settings, self.a = study, settings, args
         self.csv = Path(args.csv) if args.csv else RESULTS / f"{study}.csv"
         self.scale = json.dumps(args.scale(), sort_keys=True)
+        self.eval_threads = args.eval_threads or (max(1, (os.cpu_count() or 1) // (2 * args.parallel)) if args.parallel > 1 else 0)
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
         a = self.a
@@ -151,9 +161,12 @@ class Sweep:
     def eval_cmd(self, run: Path) -> list[str]:
         a = self.a
         return [sys.executable, "evaluate.py", str(run), "--target", a.target, "--num-prompts", str(a.num_prompts),
-                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(a.eval_threads)]
+                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(self.eval_threads), "--device", a.eval_device]
 
     def run(self) -> int:
+        """An event loop over the runs: up to --parallel trainings at once; each finished training
+        starts its evaluation (CPU) in the background when training is on a GPU, else the next
+        training waits for it (both would share the same cores)."""
         a, t_start = self.a, time.time()
         done = done_keys(self.csv)
         todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
@@ -163,40 +176,52 @@ class Sweep:
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
                 print(" ".join(self.train_cmd(args, seed, run)) + "\n  " + " ".join(self.eval_cmd(run)))
             return 0
-        pending, failed, durations = None, 0, []
-        for s, args, seed in todo:
+        overlap = a.overlap_eval and self._gpu_training()
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel))))}
+        training, evaluating, durations, failed = [], [], [], 0
+        while todo or training or evaluating:
             elapsed = time.time() - t_start
             mean = sum(durations) / len(durations) if durations else 0.0
-            if a.budget_minutes and elapsed + mean > 60 * a.budget_minutes:
-                print(f"[{self.study}] budget: {elapsed / 60:.1f} min spent, a run takes ~{mean / 60:.1f}: not starting {s} seed {seed}", flush=True)
-                break
-            t0 = time.time()
-            run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
-            cmd = self.train_cmd(args, seed, run)
-            if not train_finished(run):
-                run.mkdir(parents=True, exist_ok=True)
-                print(f"[{self.study}] train {s} seed {seed}: {run}", flush=True)
-                with open(run / "train.log", "w") as log:
-                    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-                if rc != 0:
-                    print(f"[{self.study}] train {s} seed {seed} FAILED (exit {rc}):\n{_tail(run / 'train.log')}", flush=True)
-                    failed += 1
-                    continue
-            if pending is not None:
-                failed += self.finish(*pending)
-            pending = (s, seed, run, cmd, self.start_eval(run))
-            if not (a.overlap_eval and self._on_gpu(run)):
-                failed += self.finish(*pending)
-                pending = None
-            durations.append(time.time() - t0)
-        if pending is not None:
-            failed += self.finish(*pending)
+            if todo and a.budget_minutes and elapsed + mean > 60 * a.budget_minutes:
+                print(f"[{self.study}] budget: {elapsed / 60:.1f} min spent, a run takes ~{mean / 60:.1f}: "
+                      f"not starting {len(todo)} runs ({', '.join(f'{s} seed {seed}' for s, _, seed in todo)})", flush=True)
+                todo = []
+            while todo and len(training) < a.parallel and (overlap or not evaluating):
+                s, args, seed = todo.pop(0)
+                run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
+                cmd = self.train_cmd(args, seed, run)
+                job = {"setting": s, "seed": seed, "run": run, "cmd": cmd, "t0": time.time(), "proc": None}
+                if not train_finished(run):
+                    run.mkdir(parents=True, exist_ok=True)
+                    print(f"[{self.study}] train {s} seed {seed}: {run}", flush=True)
+                    job["log"] = open(run / "train.log", "w")
+                    job["proc"] = subprocess.Popen(cmd, cwd=ROOT, stdout=job["log"], stderr=subprocess.STDOUT, env=env)
+                training.append(job)
+            for job in [j for j in training if j["proc"] is None or j["proc"].poll() is not None]:
+                training.remove(job)
+                if job["proc"] is not None:
+                    job["log"].close()
+                    if job["proc"].returncode != 0:
+                        print(f"[{self.study}] train {job['setting']} seed {job['seed']} FAILED (exit {job['proc'].returncode}):\n"
+                              f"{_tail(job['run'] / 'train.log')}", flush=True)
+                        failed += 1
+                        continue
+                    durations.append(time.time() - job["t0"])
+                job["eval"] = self.start_eval(job["run"])
+                evaluating.append(job)
+            for job in [j for j in evaluating if j["eval"][0].poll() is not None]:
+                evaluating.remove(job)
+                failed += self.finish(job["setting"], job["seed"], job["run"], job["cmd"], job["eval"])
+            time.sleep(0.5)
         print(f"[{self.study}] done in {(time.time() - t_start) / 60:.1f} min; {failed} failed; rows in {self.csv}", flush=True)
         return 1 if failed else 0
 
-    @staticmethod
-    def _on_gpu(run: Path) -> bool:
-        return "gpu" in json.loads((run / "run.json").read_text()).get("hardware", {})
+    def _gpu_training(self) -> bool:
+        if self.a.device not in ("auto", "cuda") and not self.a.device.startswith("cuda"):
+            return False
+        import torch
+
+        return torch.cuda.is_available()
 
     def start_eval(self, run: Path):
         log = open(run / "eval.log", "w")
@@ -223,7 +248,7 @@ class Sweep:
             "study": self.study, "setting": setting, "seed": seed, **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
             "tau_mean": round(sum(taus.values()) / len(taus), 4), "eval_k": self.a.eval_k,
             "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
-            "train_seconds": round(meta["results"]["train_seconds"], 1), "eval_seconds": round(time.time() - t0, 1),
+            "train_seconds": round(meta["results"]["train_seconds"], 1), "parallel": self.a.parallel, "eval_seconds": round(time.time() - t0, 1),
             "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3), "peak_memory_kind": kind,
             "draft_params_m": round(param_count(Eagle3Draft(Eagle3Config(**meta["draft"]))) / 1e6, 3),
             "scale": self.scale, "config": json.dumps(meta["config"], sort_keys=True, default=str), "git_commit": meta["git_commit"],

@@ -76,3 +76,16 @@ def test_plots(results, tmp_path):
     for name in ("ttt_tau.png", "ttt_cost.png", "moe_tau.png", "regen_tau.png", "backends_h200.png"):
         assert (figs / name).stat().st_size > 1000, name
         assert name in out
+
+
+def test_parallel_runs(tiny_run_inputs, tmp_path):
+    """--parallel 2: two trainings at once, one row each, and a second call skips both."""
+    target, data = tiny_run_inputs
+    common = ["experiments/ttt_scaling.py", "--smoke", "--only", "ttt1", "ttt2", "--parallel", "2", "--target", str(target),
+              "--data", str(data), "--csv", str(tmp_path / "t.csv"), "--runs-dir", str(tmp_path / "runs")]
+    out = run(common)
+    assert "ttt1 seed 0: tau" in out and "ttt2 seed 0: tau" in out
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert sorted(r["setting"] for r in rows) == ["ttt1", "ttt2"] and all(r["parallel"] == "2" for r in rows)
+    assert sorted(json.loads(r["config"])["ttt_length"] for r in rows) == [1, 2]
+    assert "0 runs to do, 2 already in" in run(common)
