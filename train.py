@@ -109,6 +109,9 @@ class TrainConfig:
     backend: str = "hf"
     """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
     Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU)"""
+    pad_to_max_len: bool = False
+    """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
+    of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (one rank only for now)"""
@@ -277,7 +280,7 @@ class Trainer:
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
         b = collate(examples)
-        if self.cfg.compile:  # one shape for every batch: pad to max_len, a multiple of the flex block
+        if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
             T = max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128)
             b = {k: torch.nn.functional.pad(v, (0, T - v.shape[1])) for k, v in b.items()}
         b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))

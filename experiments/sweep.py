@@ -48,8 +48,8 @@ class SweepArgs:
     """run only these settings (names as the script lists them)"""
     num_records: int = 0
     """records read from the data (0 = all: 3,390 regenerated chats)"""
-    steps: int = 800
-    batch_size: int = 16
+    steps: int = 200
+    batch_size: int = 32
     max_len: int = 512
     ttt_length: int = 7
     """TTT steps of every setting that does not set its own"""
@@ -78,8 +78,9 @@ class SweepArgs:
     csv: str = ""
     """results CSV (default experiments/results/<study>.csv; --smoke: a temporary dir)"""
     runs_dir: str = "runs/experiments"
-    train_args: tuple[str, ...] = ()
-    """extra train.py flags for every run, e.g. --train-args --backend compiled"""
+    train_args: tuple[str, ...] = ("--pad-to-max-len",)
+    """extra train.py flags for every run, e.g. --train-args --pad-to-max-len --backend compiled (padding
+    every batch to --max-len gives flex one shape per TTT step: ~2 s of compiling each, once)"""
     smoke: bool = False
     dry_run: bool = False
     """print the commands and exit"""
@@ -176,10 +177,10 @@ class Sweep:
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
                 print(" ".join(self.train_cmd(args, seed, run)) + "\n  " + " ".join(self.eval_cmd(run)))
             return 0
-        overlap = a.overlap_eval and self._gpu_training()
+        overlap = a.overlap_eval and self._gpu_training() and a.eval_device == "cpu"
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel))))}
-        training, evaluating, durations, failed = [], [], [], 0
-        while todo or training or evaluating:
+        training, trained, evaluating, durations, failed = [], [], [], [], 0
+        while todo or training or trained or evaluating:
             elapsed = time.time() - t_start
             mean = sum(durations) / len(durations) if durations else 0.0
             if todo and a.budget_minutes and elapsed + mean > 60 * a.budget_minutes:
@@ -207,8 +208,14 @@ class Sweep:
                         failed += 1
                         continue
                     durations.append(time.time() - job["t0"])
-                job["eval"] = self.start_eval(job["run"])
-                evaluating.append(job)
+                trained.append(job)
+            # a GPU evaluation waits until no training shares the GPU (batch-1 decoding among trainings
+            # crawls: seen on the H200, none of 12 evaluations finished in 7 minutes beside 12 trainings)
+            if trained and (a.eval_device == "cpu" or not training):
+                for job in trained:
+                    job["eval"] = self.start_eval(job["run"])
+                    evaluating.append(job)
+                trained = []
             for job in [j for j in evaluating if j["eval"][0].poll() is not None]:
                 evaluating.remove(job)
                 failed += self.finish(job["setting"], job["seed"], job["run"], job["cmd"], job["eval"])

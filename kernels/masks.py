@@ -28,6 +28,12 @@ from torch.nn.attention.flex_attention import (  # noqa: F401  (re-exported for 
 # full score matrix, so it is only for tests and small shapes.
 flex_attention_eager = flex_attention
 flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
+# dynamic=False compiles once per shape, and TTT training calls flex with one K/V length per step for
+# every 128-token length bucket (TTT 13 x 4 buckets at max_len 512 = 52 shapes, ~2 s each once).
+# Dynamo's default limit (8) would silently fall back to eager flex past it, which materialises the
+# scores (seen on the H200: the TTT 9 sweep runs slowed down, the TTT 13 ones ran out of memory).
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
 
 def _per_row(t: torch.Tensor):
