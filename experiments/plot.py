@@ -4,7 +4,8 @@
     python experiments/plot.py --results DIR --figures DIR
 
 ttt_scaling.csv -> ttt_tau.png (τ vs TTT per benchmark: seed mean, min-max band, every seed as a
-dot) and ttt_cost.png (training time and peak memory vs TTT); moe_drafts.csv -> moe_tau.png;
+dot) and ttt_cost.png (draft step time and peak memory vs TTT from ttt_cost_h200.jsonl, each step
+alone on the GPU, else the CSV's training time and peak memory); moe_drafts.csv -> moe_tau.png;
 data_regen.csv -> regen_tau.png (bars: seed mean, min-max error bars, dots: seeds);
 throughput_h200.jsonl -> backends_h200.png (experiments/throughput.py's figure: HF vs compiled).
 A CSV holding rows of several scales is plotted at the scale of its last row (the others are
@@ -88,15 +89,28 @@ def plot_ttt(path: Path, figures: Path) -> list[Path]:
     fig.savefig(out[0], dpi=130)
     plt.close(fig)
 
+    cost = path.parent / "ttt_cost_h200.jsonl"
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for ax, col, label in ((axes[0], "train_seconds", "training time (s)"), (axes[1], "peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})")):
-        vals = by_setting(rows, col)
-        spread_line(ax, xs, [vals[s] for s in settings], "#444444", label)
-        ax.set_xlabel("TTT length")
-        ax.set_ylabel(label)
-        ax.set_xticks(xs)
-        ax.grid(alpha=0.3)
-    fig.suptitle("Training cost vs TTT length\n" + subtitle(rows, others), fontsize=9)
+    if cost.exists():  # each draft step alone on the GPU (bench_draft_step.py): the sweep's runs shared it
+        pts = sorted((r["ttt"], r["ms"], r["peak_gib"]) for r in map(json.loads, open(cost)) if r.get("ms"))
+        r0 = json.loads(open(cost).readline())
+        for ax, i, label in ((axes[0], 1, "draft step fwd+bwd+AdamW (ms)"), (axes[1], 2, "draft step peak memory (GiB)")):
+            ax.plot([p[0] for p in pts], [p[i] for p in pts], "-o", color="#444444", markersize=4)
+            ax.set_xlabel("TTT length")
+            ax.set_ylabel(label)
+            ax.set_xticks([p[0] for p in pts])
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, draft vocab {r0['vocab']}, "
+                     f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}", fontsize=9)
+    else:
+        for ax, col, label in ((axes[0], "train_seconds", "training time (s)"), (axes[1], "peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})")):
+            vals = by_setting(rows, col)
+            spread_line(ax, xs, [vals[s] for s in settings], "#444444", label)
+            ax.set_xlabel("TTT length")
+            ax.set_ylabel(label)
+            ax.set_xticks(xs)
+            ax.grid(alpha=0.3)
+        fig.suptitle("Training cost vs TTT length\n" + subtitle(rows, others), fontsize=9)
     fig.tight_layout()
     out.append(figures / "ttt_cost.png")
     fig.savefig(out[1], dpi=130)

@@ -62,7 +62,10 @@ class SweepArgs:
     eval_k: int = 7
     """chain drafting depth K of the evaluation (the same for every setting)"""
     eval_threads: int = 0
-    """torch threads of each evaluate.py (0 = the cores / (2 x --parallel) when runs overlap, else torch's default)"""
+    """torch threads of each evaluate.py (0 = cores / --eval-parallel when several run, else torch's default)"""
+    eval_parallel: int = 0
+    """evaluations at once (0 = one on a GPU, where processes time-slice; with --parallel > 1 and CPU
+    evaluation, one per core, each on one thread)"""
     parallel: int = 1
     """trainings at once on the one GPU (a SmolLM2-sized run leaves most of an H200 idle); each gets
     OMP_NUM_THREADS = cores / (2 x parallel) unless set, and train_seconds then counts the sharing
@@ -148,7 +151,9 @@ class Sweep:
         self.study, self.settings, self.a = study, settings, args
         self.csv = Path(args.csv) if args.csv else RESULTS / f"{study}.csv"
         self.scale = json.dumps(args.scale(), sort_keys=True)
-        self.eval_threads = args.eval_threads or (max(1, (os.cpu_count() or 1) // (2 * args.parallel)) if args.parallel > 1 else 0)
+        cores = os.cpu_count() or 1
+        self.eval_parallel = args.eval_parallel or (1 if args.eval_device != "cpu" or args.parallel == 1 else cores)
+        self.eval_threads = args.eval_threads or (max(1, cores // self.eval_parallel) if self.eval_parallel > 1 else 0)
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
         a = self.a
@@ -177,8 +182,9 @@ class Sweep:
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
                 print(" ".join(self.train_cmd(args, seed, run)) + "\n  " + " ".join(self.eval_cmd(run)))
             return 0
-        overlap = a.overlap_eval and self._gpu_training() and a.eval_device == "cpu"
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel))))}
+        overlap = a.overlap_eval and a.parallel == 1 and a.eval_device == "cpu" and self._gpu_training()
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel)))),
+               "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}  # less fragmentation among many
         training, trained, evaluating, durations, failed = [], [], [], [], 0
         while todo or training or trained or evaluating:
             elapsed = time.time() - t_start
@@ -195,6 +201,7 @@ class Sweep:
                 if not train_finished(run):
                     run.mkdir(parents=True, exist_ok=True)
                     print(f"[{self.study}] train {s} seed {seed}: {run}", flush=True)
+                    (run / "sweep.json").write_text(json.dumps({"parallel": a.parallel}))  # how many shared the GPU
                     job["log"] = open(run / "train.log", "w")
                     job["proc"] = subprocess.Popen(cmd, cwd=ROOT, stdout=job["log"], stderr=subprocess.STDOUT, env=env)
                 training.append(job)
@@ -209,13 +216,14 @@ class Sweep:
                         continue
                     durations.append(time.time() - job["t0"])
                 trained.append(job)
-            # a GPU evaluation waits until no training shares the GPU (batch-1 decoding among trainings
-            # crawls: seen on the H200, none of 12 evaluations finished in 7 minutes beside 12 trainings)
-            if trained and (a.eval_device == "cpu" or not training):
-                for job in trained:
-                    job["eval"] = self.start_eval(job["run"])
-                    evaluating.append(job)
-                trained = []
+            # evaluations wait until no training runs (unless --overlap-eval of one GPU training with CPU
+            # evaluation): seen on the H200, batch-1 decoding beside 12 trainings finished no evaluation in 7
+            # minutes, and 16 GPU evaluations at once none in 4.5 (time-slicing among processes); alone, one
+            # took 126 s. At most --eval-parallel at once.
+            while trained and (overlap or not training) and len(evaluating) < self.eval_parallel:
+                job = trained.pop(0)
+                job["eval"] = self.start_eval(job["run"])
+                evaluating.append(job)
             for job in [j for j in evaluating if j["eval"][0].poll() is not None]:
                 evaluating.remove(job)
                 failed += self.finish(job["setting"], job["seed"], job["run"], job["cmd"], job["eval"])
@@ -255,7 +263,8 @@ class Sweep:
             "study": self.study, "setting": setting, "seed": seed, **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
             "tau_mean": round(sum(taus.values()) / len(taus), 4), "eval_k": self.a.eval_k,
             "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
-            "train_seconds": round(meta["results"]["train_seconds"], 1), "parallel": self.a.parallel, "eval_seconds": round(time.time() - t0, 1),
+            "train_seconds": round(meta["results"]["train_seconds"], 1), "parallel": json.loads((run / "sweep.json").read_text())["parallel"] if (run / "sweep.json").exists() else "",
+            "eval_seconds": round(time.time() - t0, 1),
             "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3), "peak_memory_kind": kind,
             "draft_params_m": round(param_count(Eagle3Draft(Eagle3Config(**meta["draft"]))) / 1e6, 3),
             "scale": self.scale, "config": json.dumps(meta["config"], sort_keys=True, default=str), "git_commit": meta["git_commit"],
