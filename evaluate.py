@@ -25,7 +25,7 @@ from typing import Annotated
 import torch
 import tyro
 
-from models.speculative import NgramProposer, Proposer, SpecStats, TargetRunner, proposer_for, speculative_generate
+from models.speculative import Eagle3Proposer, NgramProposer, Proposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -96,6 +96,34 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
     return st, time.time() - t0, turns_out
 
 
+def run_dataset_batched(model, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False):
+    """run_dataset for an EAGLE-3 chain proposer, `batch` conversations decoded at once
+    (models/batched_chain.py); turn t of every conversation in a group runs in one batch."""
+    from models.batched_chain import batched_chain_generate
+
+    st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
+    for g in range(0, len(convs), batch):
+        group = list(range(g, min(g + batch, len(convs))))
+        msgs = {c: [] for c in group}
+        for t in range(max(len(convs[c]) for c in group)):
+            live = [c for c in group if t < len(convs[c])]
+            prompts = []
+            for c in live:
+                msgs[c].append({"role": "user", "content": convs[c][t]})
+                prompts.append(render(tokenizer, msgs[c]))
+            outs = batched_chain_generate(model, proposer.draft, prompts, proposer.depth, max_new, eos)
+            for c, prompt, (out, s) in zip(live, prompts, outs):
+                if check_greedy:
+                    ref, _ = speculative_generate(TargetRunner(model, []), Proposer(), prompt, max_new, eos)
+                    if ref != out:
+                        i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                        raise AssertionError(f"{proposer.name} (batched): output differs from greedy decoding at token {i}")
+                by_conv[c].append((prompt, out, s))
+                st.add(s)
+                msgs[c].append({"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)})
+    return st, time.time() - t0, [x for turns in by_conv for x in turns]
+
+
 def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, list[int], list[int], SpecStats]], max_new: int, out_dir: Path,
                    family: str = "eagle3") -> dict:
     """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
@@ -155,6 +183,9 @@ class EvalArgs:
     either; near-ties can resolve differently between devices, so compare τ measured on one device)"""
     threads: int = 0
     """torch threads (0 = torch's default)"""
+    batch: int = 1
+    """EAGLE-3 chains: decode this many conversations at once (models/batched_chain.py; same tokens and
+    counters per conversation up to float rounding of the batched matmuls); other proposers run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
     its acceptance counters with ours (needs the vLLM venv; tools/vllm_spec.py creates it)"""
@@ -196,7 +227,7 @@ def main(a: EvalArgs) -> dict:
         proposers.append(NgramProposer(a.k[0]))
     result = {
         "draft": str(a.draft), "target": str(target_dir), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
-        "dtype": a.dtype, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
+        "dtype": a.dtype, "device": a.device, "batch": a.batch, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
         "versions": versions(), "hardware": hardware(a.device), "results": {},
     }
     replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
@@ -205,7 +236,10 @@ def main(a: EvalArgs) -> dict:
         ds = Path(name).stem if Path(name).suffix else name
         result["results"][ds] = {}
         for p in proposers:
-            st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
+            if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)
+                st, sec, turns = run_dataset_batched(model, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy)
+            else:
+                st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
             if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM
                 replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()

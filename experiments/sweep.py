@@ -61,6 +61,9 @@ class SweepArgs:
     max_new_tokens: int = 128
     eval_k: int = 7
     """chain drafting depth K of the evaluation (the same for every setting)"""
+    eval_batch: int = 10
+    """conversations decoded at once per benchmark (evaluate.py --batch; chains only): one batched step costs
+    about one batch-1 step on a GPU (launch-bound) and a CPU (weight-bandwidth-bound)"""
     eval_threads: int = 0
     """torch threads of each evaluate.py (0 = cores / --eval-parallel when several run, else torch's default)"""
     eval_parallel: int = 0
@@ -91,7 +94,7 @@ class SweepArgs:
     def scale(self) -> dict:
         """What makes two rows comparable (part of the skip key)."""
         keys = ("target", "num_records", "steps", "batch_size", "max_len", "lr", "holdout", "draft_vocab_size", "num_prompts",
-                "max_new_tokens", "eval_k", "eval_device", "train_args")
+                "max_new_tokens", "eval_k", "eval_device", "eval_batch", "train_args")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -167,7 +170,8 @@ class Sweep:
     def eval_cmd(self, run: Path) -> list[str]:
         a = self.a
         return [sys.executable, "evaluate.py", str(run), "--target", a.target, "--num-prompts", str(a.num_prompts),
-                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(self.eval_threads), "--device", a.eval_device]
+                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(self.eval_threads), "--device", a.eval_device,
+                "--batch", str(a.eval_batch)]
 
     def run(self) -> int:
         """An event loop over the runs: up to --parallel trainings at once; each finished training

@@ -233,3 +233,25 @@ def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
         assert s["prompts"] == 3 and s["tau"] >= 1.0 and s["target_forwards"] == s["prompts"] + s["drafts"]
     assert len(r["eagle3-chain3"]["acceptance_per_pos"]) == 3
     assert json.loads((tmp_path / "r.jsonl").read_text())["results"] == res["results"]
+
+
+def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
+    """--batch 2: chains decode two conversations at once (turn by turn) and give the batch-1
+    counters; the tree runs one at a time as before."""
+    import json
+
+    import evaluate
+    from tests.test_export import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_run_inputs
+    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in (
+        {"turns": ["Hi there", "And again"]}, {"prompt": "Count to ten."}, {"turns": ["One", "Two"]})) + "\n")
+    res = {b: evaluate.main(evaluate.EvalArgs(draft=str(run), target=str(target_dir), data=(str(prompts),), num_prompts=0,
+                                              max_new_tokens=12, k=(3,), tree_topk=2, tree_depth=2, batch=b))["results"]["p"]
+           for b in (1, 2)}
+    assert res[2]["eagle3-chain3"]["prompts"] == 5
+    assert res[1] == {k: {**v, "seconds": res[1][k]["seconds"]} for k, v in res[2].items()}

@@ -1,0 +1,170 @@
+"""EAGLE-3 chain drafting for a batch of prompts at once: the same per-prompt steps as
+models/speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
+
+Why: batch-1 decoding is launch-bound on a GPU (the H200 spent 39 ms per verification step of
+SmolLM2-135M, almost all of it kernel launches and Python) and weight-bandwidth-bound on a CPU (each
+forward streams every weight for 8 tokens). B prompts per forward cost about one.
+
+Ragged rows without moving memory: both KV caches are shared slot arrays [B, H, S, D] that grow by
+the same number of slots for every row each step; a per-row bool `valid` [B, S] says which slots
+hold that row's committed entries, and every query attends only its row's valid slots (plus its
+own causal new slots). Rejected drafts stay in the cache as invalid slots; finished rows leave
+the batch (their rows are dropped from both caches).
+
+Per row, the outputs and counters are those of the batch-1 path; numerically the batched matmuls
+may round differently, so near-ties can resolve differently (tests compare in float64).
+"""
+import torch
+
+from models.eagle3 import Eagle3Draft
+from models.speculative import SpecStats
+
+
+def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Tensor:
+    """Mask [B, 1, T, S + T]: query t of row b sees b's valid old slots and its new slots <= t
+    that are valid (a padding query still sees slot 0 of its new block, so no row is empty)."""
+    B, T = new_valid_BT.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid_BS.device).tril()
+    new = causal[None] & (new_valid_BT[:, None, :] | torch.eye(T, dtype=torch.bool, device=valid_BS.device)[None])
+    return torch.cat([valid_BS[:, None, :].expand(B, T, -1), new], -1)[:, None]
+
+
+class _Target:
+    """An HF causal LM over a slot cache: forward(ids [B, T], positions [B, T], new_valid [B, T])."""
+
+    def __init__(self, model, aux_layers, runner_cache_kw: str):
+        from transformers import DynamicCache
+
+        self.model, self.aux_layers, self.kw = model, aux_layers, runner_cache_kw
+        self.cache = DynamicCache(config=model.config)
+        self.valid = None  # [B, S]
+
+    @torch.no_grad()
+    def forward(self, ids, positions, new_valid):
+        B = ids.shape[0]
+        valid = self.valid if self.valid is not None else torch.zeros(B, 0, dtype=torch.bool, device=ids.device)
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=_causal_new(valid, new_valid), use_cache=True,
+                         output_hidden_states=True, **{self.kw: self.cache})
+        self.valid = torch.cat([valid, new_valid], 1)
+        aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layers], -1)
+        return out.logits.float(), aux
+
+    def keep_rows(self, rows: torch.Tensor):
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+
+@torch.no_grad()
+def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int,
+                           eos_ids=()) -> list[tuple[list[int], SpecStats]]:
+    """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
+    EAGLE-3 drafts per step, all prompts in one batch."""
+    from models.speculative import TargetRunner
+
+    dev, dtype = model.device, draft.fc.weight.dtype
+    embed, draft_ids, eos = model.get_input_embeddings(), draft.draft_ids.to(dev), set(eos_ids)
+    target = _Target(model.eval(), draft.config.aux_layers, TargetRunner(model)._cache_kw)
+    B = len(prompts)
+    ids = [list(p) for p in prompts]
+    stats = [SpecStats(prompts=1) for _ in prompts]
+    P = torch.tensor([len(p) for p in prompts], device=dev)
+    Pmax = int(P.max())
+    ar = torch.arange(Pmax, device=dev)
+
+    # prefill: right-padded prompts; row b's first new token is its argmax at position P_b - 1
+    x = torch.zeros(B, Pmax, dtype=torch.long, device=dev)
+    for b, p in enumerate(prompts):
+        x[b, : len(p)] = torch.tensor(p, device=dev)
+    valid = ar[None] < P[:, None]
+    logits, aux = target.forward(x, ar[None].expand(B, -1), valid)
+    first = logits[torch.arange(B, device=dev), P - 1].argmax(-1).tolist()
+    for b in range(B):
+        ids[b].append(first[b])
+        stats[b].target_forwards += 1
+
+    # draft prefill: draft position t gets fc(aux_t) and embed(ids[t + 1]), t < P_b
+    nxt = torch.zeros(B, Pmax, dtype=torch.long, device=dev)
+    for b in range(B):
+        nxt[b, : len(prompts[b])] = torch.tensor(ids[b][1:], device=dev)
+    out, past = draft.decode(embed(nxt).to(dtype), draft.project(aux.to(dtype)), ar[None].expand(B, -1), None,
+                             _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=dev), valid))
+    d_valid = valid
+    h_last = out[torch.arange(B, device=dev), P - 1][:, None]  # [B, 1, H]
+
+    active = [b for b in range(B) if not (ids[b][-1] in eos or max_new_tokens <= 1)]
+    keep = torch.tensor(active, dtype=torch.long, device=dev)
+    target.keep_rows(keep)
+    past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+    while active:
+        A = len(active)
+        N = torch.tensor([len(ids[b]) for b in active], device=dev)  # committed lengths
+        # propose: depth 1 from h_last; depth j+1 feeds node j at draft position N - 2 + j
+        toks, h, spec = [], h_last, past
+        for j in range(1, depth + 1):
+            toks.append(draft.logits(h[:, -1]).float().argmax(-1))  # [A] draft-vocab ids
+            if j == depth:
+                break
+            S = spec[0].shape[2]
+            mask = torch.cat([d_valid, torch.ones(A, S - d_valid.shape[1] + 1, dtype=torch.bool, device=dev)], 1)[:, None, None]
+            h, spec = draft.decode(embed(draft_ids[toks[-1]][:, None]).to(dtype), draft.carry(h), (N - 2 + j)[:, None], spec, mask)
+        drafts = draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
+
+        # verify: [last committed token] + drafts at positions N - 1 + (0..depth)
+        x = torch.cat([torch.tensor([ids[b][-1] for b in active], device=dev)[:, None], drafts], 1)
+        T = depth + 1
+        pos = (N - 1)[:, None] + torch.arange(T, device=dev)[None]
+        logits, aux = target.forward(x, pos, torch.ones(A, T, dtype=torch.bool, device=dev))
+        pred = logits.argmax(-1)  # [A, T]
+        match = (drafts == pred[:, :-1]).long().cumprod(1)
+        n_acc = match.sum(1)  # accepted drafts per row (chain: a prefix)
+        target.valid[:, -T:] = torch.arange(T, device=dev)[None] <= n_acc[:, None]  # root + accepted rows stay
+        n_list, pred_l, drafts_l = n_acc.tolist(), pred.tolist(), drafts.tolist()
+
+        still = []
+        for i, b in enumerate(active):
+            n, st = n_list[i], stats[b]
+            new = drafts_l[i][:n] + [pred_l[i][n]]
+            st.target_forwards += 1
+            st.drafts += 1
+            st.proposed += 1
+            st.draft_tokens += depth
+            st.accepted += n
+            if len(st.accepted_per_pos) < depth:
+                st.accepted_per_pos += [0] * (depth - len(st.accepted_per_pos))
+            for p in range(n):
+                st.accepted_per_pos[p] += 1
+            ids[b] += new
+            if not (any(t in eos for t in new) or len(ids[b]) - len(prompts[b]) >= max_new_tokens):
+                still.append(i)
+
+        # commit: the draft catches up over the n+1 new positions N-1 .. N-1+n with their aux rows
+        M = int(n_acc.max()) + 1
+        m = torch.arange(M, device=dev)
+        new_valid = m[None] <= n_acc[:, None]  # [A, M]
+        idx = m[None].clamp(max=T - 1).expand(A, -1)
+        hid = draft.project(aux.gather(1, idx[..., None].expand(-1, -1, aux.shape[-1])).to(dtype))
+        # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
+        bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
+        emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
+        out, past = draft.decode(embed(emb_ids).to(dtype), hid, (N - 1)[:, None] + m[None], past, _causal_new(d_valid, new_valid))
+        d_valid = torch.cat([d_valid, new_valid], 1)
+        h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))
+
+        if len(still) < A:  # finished rows leave the batch
+            keep = torch.tensor(still, dtype=torch.long, device=dev)
+            target.keep_rows(keep)
+            past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+            active = [active[i] for i in still]
+
+    results = []
+    for b in range(B):
+        out_ids = ids[b][len(prompts[b]) :]
+        for i, t in enumerate(out_ids):
+            if t in eos:
+                out_ids = out_ids[: i + 1]
+                break
+        out_ids = out_ids[:max_new_tokens]
+        stats[b].new_tokens = len(out_ids)
+        results.append((out_ids, stats[b]))
+    return results

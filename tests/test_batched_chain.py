@@ -1,0 +1,117 @@
+"""Batched EAGLE-3 chain drafting gives, per prompt, the batch-1 path's outputs and counters
+(float64, so batched and unbatched matmuls cannot round a near-tie differently): ragged prompt
+lengths, rows that finish early (EOS, max_new_tokens) and rows that keep going."""
+import pytest
+import torch
+
+from models.batched_chain import batched_chain_generate
+from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
+from tests.test_speculative import hf_greedy, random_draft
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def prompts_for(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(0, 96, (3 + i % 4,), generator=g).tolist()
+        out.append(base * (1 + i % 3) + torch.randint(0, 96, (1 + (i * 5) % 7,), generator=g).tolist())
+    return out
+
+
+@pytest.mark.parametrize("seed,depth", [(0, 1), (0, 3), (1, 7), (2, 4)])
+def test_batched_equals_batch_one(seed, depth):
+    hf = tiny_llama(seed=seed).double()
+    draft, aux = random_draft(hf, seed)
+    draft = draft.double()
+    prompts = prompts_for(seed, 6)
+    ref = [speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30)
+           for p in prompts]
+    eos = [ref[2][0][5]]  # a token prompt 2 emits: some rows stop early, at different steps
+    ref = [speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30, eos)
+           for p in prompts]
+    got = batched_chain_generate(hf, draft, prompts, depth, 30, eos)
+    assert len({len(o) for o, _ in ref}) > 1  # rows really finish at different lengths
+    for (o_ref, s_ref), (o, s) in zip(ref, got):
+        assert o == o_ref
+        assert s == s_ref
+    for p, (o, _) in zip(prompts, got):  # and so: the target's greedy tokens (plain decoding, batch 1)
+        assert o == speculative_generate(TargetRunner(hf, aux), Proposer(), p, 30, eos)[0]
+
+
+class OracleDraft(torch.nn.Module):
+    """A stand-in EAGLE-3 draft (the methods the proposers call) that always predicts token + 1
+    for the token it is fed; its 'hidden state' is that token's embedding."""
+
+    def __init__(self, embed_weight):
+        super().__init__()
+        self.fc = torch.nn.Linear(1, 1).to(embed_weight.dtype)
+        self.config = type("C", (), {"aux_layers": [0]})()
+        En = embed_weight / embed_weight.pow(2).mean(-1, keepdim=True).sqrt()
+        self.register_buffer("head", 10 * En.roll(1, 0))  # logits(E[t]) peak at t + 1
+        self.draft_ids = torch.arange(embed_weight.shape[0])
+
+    def project(self, aux):
+        return torch.zeros(*aux.shape[:-1], 1, dtype=aux.dtype)
+
+    def carry(self, h):
+        return h
+
+    def logits(self, h):
+        return (h / h.pow(2).mean(-1, keepdim=True).sqrt()) @ self.head.T
+
+    def decode(self, embeds, hidden, positions, past=None, attn_mask=None):
+        kv = torch.zeros(embeds.shape[0], 1, embeds.shape[1], 1, dtype=embeds.dtype)
+        past = (kv, kv) if past is None else tuple(torch.cat([p, kv], 2) for p in past)
+        return embeds, past
+
+
+def test_ragged_acceptance_in_batch():
+    """Rows accept different numbers of drafts at each step: a target whose next token is
+    t + 1 except at a few tokens (a permutation with jumps), a draft that always says t + 1."""
+    V = 64
+    hf = tiny_llama(vocab=V, seed=7).double()
+    succ = [(t + 1) % V for t in range(V)]
+    for a, b in ((5, 20), (11, 40), (30, 50), (44, 60)):  # swap successors: still a permutation
+        succ[a], succ[b] = succ[b], succ[a]
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        E = torch.randn(V, hf.config.hidden_size, dtype=torch.float64)
+        hf.model.embed_tokens.weight.copy_(E)
+        hf.model.norm.weight.fill_(1.0)
+        En = E / E.pow(2).mean(-1, keepdim=True).sqrt()
+        for t in range(V):
+            hf.lm_head.weight[succ[t]] = 10 * En[t]
+    draft = OracleDraft(E)
+    prompts = [[3, 4], [17, 18, 19], [9], [28, 29, 30, 31], [42, 43]]
+    ref = [speculative_generate(TargetRunner(hf, [0]), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=4), p, 40) for p in prompts]
+    got = batched_chain_generate(hf, draft, prompts, 4, 40)
+    assert [o for o, _ in got] == [o for o, _ in ref] and [s for _, s in got] == [s for _, s in ref]
+    for (o, _), p in zip(got, prompts):
+        t = p[-1]
+        expect = []
+        for _ in range(40):
+            t = succ[t]
+            expect.append(t)
+        assert o == expect
+    st = [s for _, s in got]
+    assert all(0 < s.accepted < 4 * s.drafts for s in st)  # some drafts accepted, some rejected, in every row
+    assert len({round(s.accepted / s.drafts, 3) for s in st}) > 1  # and at different rates
+
+
+def test_max_new_tokens_one_and_single_prompt():
+    hf = tiny_llama(seed=4).double()
+    draft, _ = random_draft(hf, 4)
+    draft = draft.double()
+    got = batched_chain_generate(hf, draft, [[1, 2, 3]], 3, 1)
+    assert got[0][0] == hf_greedy(hf, [1, 2, 3], 1) and got[0][1].drafts == 0
