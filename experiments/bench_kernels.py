@@ -47,6 +47,8 @@ def parse_args():
     ap.add_argument("--vocabs", nargs="*", type=int, default=None, help="CE vocabularies, default 32000 64000")
     ap.add_argument("--head-vocab", type=int, default=None, help="default 32000")
     ap.add_argument("--attn-impls", nargs="*", default=["eager", "lse", "flex"])
+    ap.add_argument("--flex-kernel-options", type=json.loads, default={},
+                    help='JSON kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64}\' (recorded per row)')
     ap.add_argument("--check-seq", type=int, default=None, help="size of the correctness check, default 1024")
     ap.add_argument("--out", type=Path, default=None, help="JSONL to append to")
     return ap.parse_args()
@@ -62,7 +64,10 @@ def main():
 
     from kernels.ce import soft_cross_entropy
     from kernels.fused_ce import fused_linear_soft_ce
+    import kernels.ttt_attention
     from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+
+    kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(args.flex_kernel_options)
 
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
@@ -94,6 +99,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit,
         smoke=smoke,
+        flex_kernel_options=args.flex_kernel_options,
         dtype=str(dtype).removeprefix("torch."),
     )
     rows = []

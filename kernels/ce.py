@@ -27,15 +27,18 @@ import triton.language as tl
 
 @triton.jit
 def _ce_fwd_kernel(
-    z_ptr, z_stride, t_ptr, t_stride, w_ptr,  # logits rows, target rows (or labels), weights
+    z_ptr, z_stride, t_ptr, t_stride, t_rows_ptr, w_ptr,  # logits rows, target rows (or labels), their row ids, weights
     loss_ptr, lse_ptr, psum_ptr, argmax_ptr,  # outputs, one per row
-    V, HARD: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, HARD: tl.constexpr, T_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    trow = row
+    if T_ROWS:  # the target row of logits row `row` (fused linear-CE: no gathered copy of p)
+        trow = tl.load(t_rows_ptr + row).to(tl.int64)
     w = tl.load(w_ptr + row)
     label = 0
     if HARD:
-        label = tl.load(t_ptr + row).to(tl.int64)
+        label = tl.load(t_ptr + trow).to(tl.int64)
         w = tl.where(label < 0, 0.0, w)
     loss = 0.0
     lse = 0.0
@@ -60,7 +63,7 @@ def _ce_fwd_kernel(
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
             m = m_new
             if not HARD:
-                p = tl.load(t_ptr + row * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
+                p = tl.load(t_ptr + trow * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
                 psum += tl.sum(p, 0)
                 pz += tl.sum(p * tl.where(ok, z, 0.0), 0)  # (not p * z: 0 * -inf past V)
         if HARD:
@@ -75,15 +78,18 @@ def _ce_fwd_kernel(
 
 @triton.jit
 def _ce_bwd_kernel(
-    z_ptr, z_stride, t_ptr, t_stride, w_ptr, lse_ptr, psum_ptr, g_ptr,
-    V, HARD: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr, z_stride, t_ptr, t_stride, t_rows_ptr, w_ptr, lse_ptr, psum_ptr, g_ptr,
+    V, HARD: tl.constexpr, T_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Overwrite row z with g·w·(softmax(z)·Σp - p) (hard: p = onehot(label))."""
     row = tl.program_id(0).to(tl.int64)
+    trow = row
+    if T_ROWS:
+        trow = tl.load(t_rows_ptr + row).to(tl.int64)
     w = tl.load(w_ptr + row) * tl.load(g_ptr).to(tl.float32)
     label = -1
     if HARD:
-        label = tl.load(t_ptr + row).to(tl.int64)
+        label = tl.load(t_ptr + trow).to(tl.int64)
         w = tl.where(label < 0, 0.0, w)
     lse = tl.load(lse_ptr + row)
     psum = tl.load(psum_ptr + row)
@@ -94,7 +100,7 @@ def _ce_bwd_kernel(
         if HARD:
             p = tl.where(cols == label, 1.0, 0.0)
         else:
-            p = tl.load(t_ptr + row * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
+            p = tl.load(t_ptr + trow * t_stride + cols, mask=ok, other=0.0).to(tl.float32)
         grad = w * (tl.exp(tl.minimum(z - lse, 0.0)) * psum - p)  # skipped rows: w = 0, lse = 0
         tl.store(z_ptr + row * z_stride + cols, grad.to(z_ptr.dtype.element_ty), mask=ok)
 
@@ -110,29 +116,32 @@ def _launch_cfg(V: int):
     return dict(BLOCK_V=block, num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4))
 
 
-def ce_forward(z: torch.Tensor, target: torch.Tensor, w: torch.Tensor, hard: bool):
-    """z [N, V] (unit column stride), target p [N, V] or labels [N], w [N] fp32 ->
-    (loss_rows [N] fp32, lse [N] fp32, psum [N] fp32, argmax [N] int64)."""
+def ce_forward(z: torch.Tensor, target: torch.Tensor, w: torch.Tensor, hard: bool, t_rows: torch.Tensor | None = None):
+    """z [N, V] (unit column stride), target p [M, V] or labels [M], w [N] fp32 ->
+    (loss_rows [N] fp32, lse [N] fp32, psum [N] fp32, argmax [N] int64). Row n of z is scored
+    against target row t_rows[n] (int64 [N]; default n, with M = N)."""
     N, V = z.shape
     if not _use_triton(z):
-        return _ce_forward_torch(z, target, w, hard)
+        return _ce_forward_torch(z, target if t_rows is None else target.index_select(0, t_rows), w, hard)
     loss, lse, psum = (torch.empty(N, device=z.device, dtype=torch.float32) for _ in range(3))
     argmax = torch.empty(N, device=z.device, dtype=torch.int64)
     if N > 0:
         t_stride = 0 if hard else target.stride(0)
-        _ce_fwd_kernel[(N,)](z, z.stride(0), target, t_stride, w, loss, lse, psum, argmax, V, HARD=hard, **_launch_cfg(V))
+        _ce_fwd_kernel[(N,)](z, z.stride(0), target, t_stride, t_rows if t_rows is not None else w, w, loss, lse, psum, argmax, V,
+                             HARD=hard, T_ROWS=t_rows is not None, **_launch_cfg(V))
     return loss, lse, psum, argmax
 
 
-def ce_backward_(z, target, w, lse, psum, grad_out: torch.Tensor, hard: bool) -> torch.Tensor:
-    """Overwrite z with dL/dz for upstream grad_out (0-d tensor); returns z."""
+def ce_backward_(z, target, w, lse, psum, grad_out: torch.Tensor, hard: bool, t_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Overwrite z with dL/dz for upstream grad_out (0-d tensor); returns z. t_rows as in ce_forward."""
     N, V = z.shape
     if not _use_triton(z):
-        return _ce_backward_torch_(z, target, w, lse, psum, grad_out, hard)
+        return _ce_backward_torch_(z, target if t_rows is None else target.index_select(0, t_rows), w, lse, psum, grad_out, hard)
     if N > 0:
         t_stride = 0 if hard else target.stride(0)
         g = grad_out.reshape(1).to(torch.float32)
-        _ce_bwd_kernel[(N,)](z, z.stride(0), target, t_stride, w, lse, psum, g, V, HARD=hard, **_launch_cfg(V))
+        _ce_bwd_kernel[(N,)](z, z.stride(0), target, t_stride, t_rows if t_rows is not None else w, w, lse, psum, g, V,
+                             HARD=hard, T_ROWS=t_rows is not None, **_launch_cfg(V))
     if not torch.compiler.is_compiling():  # (under compile, functionalization tracks the mutation)
         torch.autograd.graph.increment_version(z)  # raw-pointer writes do not bump it themselves
     return z

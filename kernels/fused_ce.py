@@ -11,7 +11,8 @@ Memory (N rows, H hidden, Vd draft vocab, C = chunk_size, bf16; e.g. N = 16k pos
 TTT steps, H = 4096, Vd = 32000, C = 1024):
   eager head + loss:  logits N·Vd·2 B (1 GiB) + fp32 log-softmax N·Vd·4 B (2 GiB) + its grad
                       N·Vd·4 B (2 GiB) alive at the peak of backward
-  fused:              one logits chunk C·Vd·2 B (62.5 MiB) + grad_hidden N·H·2 B (128 MiB)
+  fused:              one logits chunk C·Vd·2 B (62.5 MiB; the kernel reads p's rows in place)
+                      + grad_hidden N·H·2 B (128 MiB)
                       + grad_weight Vd·H·2 B (250 MiB); the last two are the gradients the
                       optimizer needs anyway, they are just produced early.
 grad_weight accumulates across chunks in the weight's dtype (addmm_, fp32 inside the GEMM):
@@ -41,13 +42,13 @@ class _FusedLinearSoftCE(torch.autograd.Function):
             idx = live[start : start + chunk_size]
             h_CH = hidden.index_select(0, idx)
             z_CV = h_CH @ weight.T  # the only [chunk, Vd] tensor
-            p_CV = target_p.index_select(0, idx)
             w_C = w.index_select(0, idx).contiguous()
-            loss_C, lse, psum, am = _ce.ce_forward(z_CV, p_CV, w_C, hard=False)
+            # target rows are read through idx inside the kernel: no [chunk, Vd] copy of p
+            loss_C, lse, psum, am = _ce.ce_forward(z_CV, target_p, w_C, hard=False, t_rows=idx)
             loss += loss_C.sum()
             argmax.index_copy_(0, idx, am)
             if need_h or need_w:
-                dz_CV = _ce.ce_backward_(z_CV, p_CV, w_C, lse, psum, one, hard=False)  # in place
+                dz_CV = _ce.ce_backward_(z_CV, target_p, w_C, lse, psum, one, hard=False, t_rows=idx)  # in place
                 if need_h:
                     grad_hidden.index_copy_(0, idx, dz_CV @ weight)
                 if need_w:
@@ -69,4 +70,6 @@ def fused_linear_soft_ce(hidden, weight, target_p, mask, chunk_size: int = 1024)
     """hidden [N, H], weight [Vd, H] (no bias), target_p [N, Vd] (constant), mask [N] (bool or
     float weights) -> (loss_sum fp32 scalar, argmax [N] int64 of h W^T, -1 on masked rows)."""
     assert hidden.dim() == 2 and weight.dim() == 2 and target_p.shape == (hidden.shape[0], weight.shape[0])
+    if target_p.stride(-1) != 1:  # the kernel reads p's rows in place
+        target_p = target_p.contiguous()
     return _FusedLinearSoftCE.apply(hidden, weight, target_p, mask, chunk_size)

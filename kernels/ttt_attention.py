@@ -174,6 +174,9 @@ def ttt_attention_lse(q, ks, vs):
 # evaluated); without lengths it depends only on (Tp, k, device) and is cached.
 # ---------------------------------------------------------------------------------------------
 FLEX_BLOCK = 128
+# kernel_options handed to every compiled flex call ({} = flex's defaults); a knob for kernel
+# tuning experiments (experiments/bench_kernels.py --flex-kernel-options), part of the compile key
+FLEX_KERNEL_OPTIONS: dict = {}
 
 
 def _dense_to_kv_blocks(dense_BHqk: torch.Tensor):
@@ -241,5 +244,6 @@ def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compil
     else:
         block_mask = ttt_block_mask(Tp, k, lengths, q.device)
     flex = flex_attention_compiled if compiled else flex_attention_eager
-    out = flex(pad(q), k_cat, v_cat, block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1])
+    opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and compiled else {}
+    out = flex(pad(q), k_cat, v_cat, block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1], **opts)
     return out[:, :, :T]

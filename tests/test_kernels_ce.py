@@ -178,3 +178,22 @@ def test_fused_linear_soft_ce(ce, impl, N, H, V, chunk, dtype, masked):
     assert torch.equal(argmax[live], logits.detach()[live].float().argmax(-1))
     assert (argmax[~live] == -1).all()
     assert (h1.grad[~live] == 0).all()
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_target_rows_indirection(ce, impl, hard):
+    """t_rows: logits row n is scored against target row t_rows[n] (the fused CE's live rows),
+    the same as handing the kernel a gathered copy of those target rows."""
+    logits, p, _ = _data(40, 67, torch.float32, seed=9)
+    g = torch.Generator().manual_seed(10)
+    rows = torch.randperm(90, generator=g)[:40]
+    target = torch.randint(-1, 67, (90,), generator=g) if hard else torch.cat([p, p.flip(0), p[:10]])
+    w = torch.rand(40, generator=g).add(0.1)
+    want = ce.ce_forward(logits, target[rows].contiguous(), w, hard)
+    got = ce.ce_forward(logits, target, w, hard, t_rows=rows)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    gz, wz = logits.clone(), logits.clone()
+    ce.ce_backward_(gz, target, w, got[1], got[2], torch.tensor(0.7), hard, t_rows=rows)
+    ce.ce_backward_(wz, target[rows].contiguous(), w, want[1], want[2], torch.tensor(0.7), hard)
+    torch.testing.assert_close(gz, wz)
