@@ -6,16 +6,8 @@ import torch
 
 from models.batched_chain import batched_chain_generate
 from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
-from tests.test_speculative import hf_greedy, random_draft
+from tests.test_speculative import hf_greedy, one_thread, random_draft  # noqa: F401 (one_thread: autouse fixture)
 from tests.tiny import tiny_llama
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def prompts_for(seed, n):
