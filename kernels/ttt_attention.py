@@ -16,6 +16,8 @@ Three implementations, one contract (out [B, Hq, T, D]):
                        backward; O(T) extra memory, trains on CPU and GPU
   ttt_attention_flex   one flex_attention call over concatenated keys with the TTT block mask;
                        forward-only on CPU (flex has no CPU backward)
+  TTTFlexAttention     the same over one unroll, keys/values written once into shared buffers
+                       (no per-step concatenation); what training uses for --attention flex
 """
 import math
 
@@ -247,3 +249,58 @@ def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compil
     opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and compiled else {}
     out = flex(pad(q), k_cat, v_cat, block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1], **opts)
     return out[:, :, :T]
+
+
+# ---------------------------------------------------------------------------------------------
+# Flex over one TTT unroll without re-concatenating. ttt_attention_flex builds k_cat / v_cat anew
+# at every step, and each step's copies stay saved for backward: at TTT 7 that is 1+2+...+7 = 28
+# step-sized K and V copies (at seq 4096, 8 KV heads of 128: 0.44 GiB, half of flex's peak).
+# Here each step writes only its own keys/values into one buffer [B, Hkv, n * Tp, D] per tensor
+# and attends over the buffer's first (k+1) * Tp rows, a view.
+# The write goes through .data on purpose: earlier steps' flex calls saved views of the buffer's
+# first slices for their backward, and a tracked in-place write would bump the version counter
+# those views share and fail that backward, although the slices they read are never written
+# again. _WriteStep's backward routes the buffer's gradient: its slice to the step's k (or v),
+# the whole to the earlier writes.
+# ---------------------------------------------------------------------------------------------
+class _WriteStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf, x, start: int):
+        buf.data[:, :, start : start + x.shape[2]].copy_(x)
+        ctx.start, ctx.T = start, x.shape[2]
+        return buf.view_as(buf)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g[:, :, ctx.start : ctx.start + ctx.T], None
+
+
+class TTTFlexAttention:
+    """ttt_attention_flex for one TTT unroll of `steps` steps (one instance per forward), with the
+    keys/values written once into shared buffers. Same contract per call: (q, ks, vs) with ks/vs
+    the steps so far, of which only the newest is new. Inside a compiled region (train.py
+    --compile) it defers to ttt_attention_flex, whose concatenation the compiler plans itself."""
+
+    def __init__(self, steps: int, compiled: bool = True):
+        self.steps, self.compiled, self.kb, self.vb, self.written = steps, compiled, None, None, 0
+
+    def __call__(self, q, ks, vs, lengths: torch.Tensor | None = None):
+        if torch.compiler.is_compiling():
+            return ttt_attention_flex(q, ks, vs, lengths, compiled=self.compiled)
+        B, Hq, T, D = q.shape
+        k = len(ks) - 1
+        if k != self.written or k >= self.steps:
+            raise ValueError(f"TTTFlexAttention: step {k} after {self.written} written steps of {self.steps}")
+        Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
+        if self.kb is None:  # zeros: the padding rows of every step, as ttt_attention_flex pads
+            self.kb, self.vb = (x.new_zeros(B, x.shape[1], self.steps * Tp, D) for x in (ks[0], vs[0]))
+        self.kb = _WriteStep.apply(self.kb, ks[-1], k * Tp)
+        self.vb = _WriteStep.apply(self.vb, vs[-1], k * Tp)
+        self.written += 1
+        q_p = torch.nn.functional.pad(q, (0, 0, 0, Tp - T)) if Tp != T else q
+        block_mask = _cached_ttt_block_mask(Tp, k, q.device) if lengths is None else ttt_block_mask(Tp, k, lengths, q.device)
+        flex = flex_attention_compiled if self.compiled else flex_attention_eager
+        opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and self.compiled else {}
+        L = (k + 1) * Tp
+        out = flex(q_p, self.kb[:, :, :L], self.vb[:, :, :L], block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1], **opts)
+        return out[:, :, :T]

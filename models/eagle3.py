@@ -40,7 +40,7 @@ from torch import nn
 from data.vocab import draft_to_target
 from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
-from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 
 # TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
@@ -336,7 +336,8 @@ class Eagle3Draft(nn.Module):
         selects them on the device with nonzero(), a host sync per step). Returns the weighted
         loss and detached per-step sums {loss_sum, correct} for logging (loss_sum: Σ CE for kl,
         Σ (1 - α) for the LK objectives)."""
-        attend = ATTENTION[attention]
+        # flex: one stateful instance per unroll, so each step's K/V are written once (kernels/ttt_attention.py)
+        attend = TTTFlexAttention(ttt_length) if attention == "flex" else ATTENTION[attention]
         B, T, _ = batch.embeds.shape
         positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None

@@ -198,3 +198,23 @@ def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
     eager.backward()
     _assert_as_accurate([loss, h1.grad, w1.grad], [eager, h3.grad, w3.grad], [truth, h2.grad, w2.grad], slack=1e-3)
     _check_argmax(argmax, hidden @ weight.T, mask != 0, atol=1e-4 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("T,n", [(256, 4), (1000, 7)])
+def test_ttt_flex_buffer_unroll_grads(T, n):
+    """TTTFlexAttention over a whole unroll (each step's K/V written once into shared buffers):
+    outputs and all gradients equal the concatenating flex path's, bf16."""
+    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_flex
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    mk = lambda h: torch.randn(1, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    qs, ks, vs = [mk(8) for _ in range(n)], [mk(2) for _ in range(n)], [mk(2) for _ in range(n)]
+    douts = [torch.randn(1, 8, T, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(n)]
+
+    def unroll(attend):
+        outs = [attend(qs[s], ks[: s + 1], vs[: s + 1]) for s in range(n)]
+        return outs + list(torch.autograd.grad(outs, qs + ks + vs, douts))
+
+    got, want = unroll(TTTFlexAttention(n)), unroll(ttt_attention_flex)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

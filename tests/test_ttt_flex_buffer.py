@@ -1,0 +1,72 @@
+"""TTTFlexAttention: flex over one TTT unroll with each step's keys/values written once into
+shared buffers instead of concatenated anew. On CPU: the forward equals ttt_attention_flex step by
+step (eager flex; no CPU flex backward), the buffer writes route gradients exactly as the
+concatenation does (checked with a differentiable stand-in consumer), and calls out of order fail.
+The flex gradients themselves are checked on CUDA (tests/test_kernels_cuda.py)."""
+import pytest
+import torch
+
+from kernels.ttt_attention import FLEX_BLOCK, TTTFlexAttention, _WriteStep, ttt_attention_eager, ttt_attention_flex
+
+
+def _inputs(T, n, Hq=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(2, h, T, D, generator=g)  # noqa: E731
+    return [mk(Hq) for _ in range(n)], [mk(Hkv) for _ in range(n)], [mk(Hkv) for _ in range(n)]
+
+
+@pytest.mark.parametrize("T,n", [(1, 2), (7, 3), (129, 4), (232, 2)])
+def test_forward_equals_concatenating_flex(T, n):
+    qs, ks, vs = _inputs(T, n)
+    attend = TTTFlexAttention(n, compiled=False)
+    for s in range(n):
+        got = attend(qs[s], ks[: s + 1], vs[: s + 1])
+        want = ttt_attention_flex(qs[s], ks[: s + 1], vs[: s + 1], compiled=False)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got, ttt_attention_eager(qs[s], ks[: s + 1], vs[: s + 1]), rtol=1e-5, atol=1e-5)
+
+
+def test_write_steps_route_gradients_like_concatenation():
+    """The buffer chain with a consumer that saves views of the buffer (pow) for its backward:
+    gradients equal those through torch.cat of padded steps, and no version-counter error."""
+    n, T = 3, 5
+    Tp = FLEX_BLOCK
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 2, T, 4, generator=g, requires_grad=True) for _ in range(n)]
+    ws = [torch.randn(1, 2, (s + 1) * Tp, 4, generator=g) for s in range(n)]
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Tp - T))  # noqa: E731
+    ref = sum((torch.cat([pad(x) for x in xs[: s + 1]], 2).pow(3) * ws[s]).sum() for s in range(n))
+    node, got = torch.zeros(1, 2, n * Tp, 4), 0.0
+    for s in range(n):
+        node = _WriteStep.apply(node, xs[s], s * Tp)
+        got = got + (node[:, :, : (s + 1) * Tp].pow(3) * ws[s]).sum()
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(torch.autograd.grad(got, xs), torch.autograd.grad(ref, xs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_steps_out_of_order_fail():
+    qs, ks, vs = _inputs(8, 3)
+    attend = TTTFlexAttention(2, compiled=False)
+    with pytest.raises(ValueError, match="step 1 after 0"):
+        attend(qs[1], ks[:2], vs[:2])
+    attend(qs[0], ks[:1], vs[:1])
+    attend(qs[1], ks[:2], vs[:2])
+    with pytest.raises(ValueError, match="step 2 after 2 written steps of 2"):
+        attend(qs[2], ks[:3], vs[:3])
+
+
+def test_draft_forward_with_flex_equals_eager():
+    """The EAGLE-3 draft's TTT forward (no grad: CPU) gives the eager loss and statistics through
+    TTTFlexAttention (compiled flex, on CPU through inductor)."""
+    from models.eagle3 import local_counts
+    from tests.test_eagle3_ttt import setup
+
+    draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
+    counts = local_counts(batch, draft.t2d, ttt)
+    with torch.no_grad():
+        want, ws = draft(batch, ttt, counts, attention="eager")
+        got, gs = draft(batch, ttt, counts, attention="flex")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gs["loss_sum"], ws["loss_sum"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(gs["correct"], ws["correct"])
