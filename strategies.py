@@ -111,7 +111,7 @@ def _block_make_batch(feats, b, target, draft, target_p=False, prev_embeds=False
 
 
 def _block_attention(cfg) -> str:
-    return "flex" if cfg.attention == "flex" else "dense"
+    return "flex" if cfg.attention.startswith("flex") else "dense"
 
 
 def _dflash_build(cfg, target, counts, tokenizer):

@@ -101,7 +101,8 @@ class TrainConfig:
     """evaluate the held-out split every N steps (0 = at start and end only)"""
     eval_batch_size: int = 8
     attention: str = "auto"
-    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU); auto = flex on GPU, lse on CPU"""
+    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; K/V written once per
+    step into shared buffers) | flex_cat (GPU; K/V concatenated anew each step); auto = flex on GPU, lse on CPU"""
     loss: str = "auto"
     """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
@@ -164,7 +165,7 @@ class Trainer:
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
         if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
             raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
-        if kind == "cpu" and cfg.attention == "flex":
+        if kind == "cpu" and cfg.attention.startswith("flex"):
             raise SystemExit("--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager")
         if cfg.backend not in ("hf", "compiled"):
             raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")

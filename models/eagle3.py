@@ -46,7 +46,9 @@ from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_att
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
 # (runs on CPU, has a backward there); flex = one FlexAttention call with the TTT BlockMask
 # (GPU; no flex backward on CPU).
-ATTENTION = {"eager": ttt_attention_eager, "lse": ttt_attention_lse, "flex": ttt_attention_flex}
+# flex: TTTFlexAttention, one per unroll (each step's K/V written once); flex_cat: the same flex call
+# over K/V concatenated anew every step (the earlier path, kept to compare and to fall back to)
+ATTENTION = {"eager": ttt_attention_eager, "lse": ttt_attention_lse, "flex": ttt_attention_flex, "flex_cat": ttt_attention_flex}
 # head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
 # chunked linear + CE, the [rows, Vd] logits never exist at once.

@@ -56,7 +56,8 @@ def test_steps_out_of_order_fail():
         attend(qs[2], ks[:3], vs[:3])
 
 
-def test_draft_forward_with_flex_equals_eager():
+@pytest.mark.parametrize("attention", ["flex", "flex_cat"])
+def test_draft_forward_with_flex_equals_eager(attention):
     """The EAGLE-3 draft's TTT forward (no grad: CPU) gives the eager loss and statistics through
     TTTFlexAttention (compiled flex, on CPU through inductor)."""
     from models.eagle3 import local_counts
@@ -66,7 +67,7 @@ def test_draft_forward_with_flex_equals_eager():
     counts = local_counts(batch, draft.t2d, ttt)
     with torch.no_grad():
         want, ws = draft(batch, ttt, counts, attention="eager")
-        got, gs = draft(batch, ttt, counts, attention="flex")
+        got, gs = draft(batch, ttt, counts, attention=attention)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gs["loss_sum"], ws["loss_sum"], rtol=1e-5, atol=1e-5)
     assert torch.equal(gs["correct"], ws["correct"])
