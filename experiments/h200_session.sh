@@ -7,12 +7,14 @@
 # Each sweep stops itself before the 10-minute call limit (timeout); the same call again continues
 # it while the machine is warm: trained runs in /tmp/runs are only evaluated, and rows already in
 # the committed CSVs (copied to $OUT first) are skipped. Commit the CSVs that come back in $OUT.
-# EVAL_DEVICE=cuda evaluates on the GPU, one run at a time, instead of on the host's CPU cores.
+# EVAL_DEVICE=cuda evaluates on the GPU, one run at a time, instead of on the host's CPU cores;
+# TRAIN_ARGS replaces the sweeps' extra train.py flags (default "--pad-to-max-len"; part of the scale).
 set -uo pipefail
 PHASE=${1:?usage: h200_session.sh ttt|moe}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 LIMIT=${LIMIT:-540}
 EVAL=(--eval-device "${EVAL_DEVICE:-cpu}" --runs-dir /tmp/runs)
+[[ -n ${TRAIN_ARGS:-} ]] && EVAL+=("--train-args=$TRAIN_ARGS")  # e.g. TRAIN_ARGS="--pad-to-max-len --attention flex_cat"
 [[ -f $T ]] || { echo "no staged target at $T: make the .stage/a call first"; exit 1; }
 python3 -c "from models.target import resolve_target as r; r('$T')" > /dev/null 2>&1 || { echo "GGUF conversion failed"; exit 1; }
 for f in ttt_scaling moe_drafts data_regen; do

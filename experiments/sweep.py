@@ -20,6 +20,7 @@ import csv
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -84,9 +85,10 @@ class SweepArgs:
     csv: str = ""
     """results CSV (default experiments/results/<study>.csv; --smoke: a temporary dir)"""
     runs_dir: str = "runs/experiments"
-    train_args: tuple[str, ...] = ("--pad-to-max-len",)
-    """extra train.py flags for every run, e.g. --train-args --pad-to-max-len --backend compiled (padding
-    every batch to --max-len gives flex one shape per TTT step: ~2 s of compiling each, once)"""
+    train_args: str = "--pad-to-max-len"
+    """extra train.py flags for every run, one string (shell-split), e.g.
+    --train-args="--pad-to-max-len --attention flex_cat" (padding every batch to --max-len gives flex one
+    shape per TTT step: ~2 s of compiling each, once)"""
     smoke: bool = False
     dry_run: bool = False
     """print the commands and exit"""
@@ -164,7 +166,7 @@ class Sweep:
                "--num-records", str(a.num_records), "--max-len", str(a.max_len), "--batch-size", str(a.batch_size),
                "--steps", str(a.steps), "--lr", str(a.lr), "--holdout", str(a.holdout), "--draft-vocab-size", str(a.draft_vocab_size),
                "--ttt-length", str(a.ttt_length), "--seed", str(seed), "--device", a.device, "--out", str(run), "--no-progress",
-               *a.train_args, *setting_args]
+               *shlex.split(a.train_args), *setting_args]
         return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
 
     def eval_cmd(self, run: Path) -> list[str]:

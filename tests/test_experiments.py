@@ -89,3 +89,11 @@ def test_parallel_runs(tiny_run_inputs, tmp_path):
     assert sorted(r["setting"] for r in rows) == ["ttt1", "ttt2"] and all(r["parallel"] == "2" for r in rows)
     assert sorted(json.loads(r["config"])["ttt_length"] for r in rows) == [1, 2]
     assert "0 runs to do, 2 already in" in run(common)
+
+
+def test_train_args_string_reaches_train_py(tiny_run_inputs, tmp_path):
+    """--train-args is one shell-split string: flags that start with -- survive tyro."""
+    target, data = tiny_run_inputs
+    out = run(["experiments/ttt_scaling.py", "--smoke", "--dry-run", "--target", str(target), "--data", str(data),
+               "--train-args=--pad-to-max-len --attention eager", "--csv", str(tmp_path / "t.csv")])
+    assert "--pad-to-max-len --attention eager --ttt-length 13" in out
