@@ -236,18 +236,22 @@ def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compil
     lengths [B] (optional): queries at i >= lengths[b] see nothing and return 0. compiled=False
     runs eager flex (materialises scores; CPU tests). Flex has no backward on CPU.
     """
-    B, Hq, T, D = q.shape
-    k = len(ks) - 1
+    T = q.shape[2]
     Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Tp - T)) if Tp != T else x  # noqa: E731
     k_cat, v_cat = torch.cat([pad(x) for x in ks], 2), torch.cat([pad(x) for x in vs], 2)  # [B,Hkv,(k+1)Tp,D]
-    if lengths is None:
-        block_mask = _cached_ttt_block_mask(Tp, k, q.device)
-    else:
-        block_mask = ttt_block_mask(Tp, k, lengths, q.device)
+    return _flex_steps(q, k_cat, v_cat, Tp, len(ks) - 1, lengths, compiled)
+
+
+def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool):
+    """The flex call of TTT step k: q [B, Hq, T, D] against k_all / v_all [B, Hkv, (k+1) Tp, D],
+    steps 0..k at offsets s * Tp, each zero-padded to Tp. Returns [B, Hq, T, D]."""
+    T = q.shape[2]
+    q_p = torch.nn.functional.pad(q, (0, 0, 0, Tp - T)) if Tp != T else q
+    block_mask = _cached_ttt_block_mask(Tp, k, q.device) if lengths is None else ttt_block_mask(Tp, k, lengths, q.device)
     flex = flex_attention_compiled if compiled else flex_attention_eager
     opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and compiled else {}
-    out = flex(pad(q), k_cat, v_cat, block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1], **opts)
+    out = flex(q_p, k_all, v_all, block_mask=block_mask, enable_gqa=q.shape[1] != k_all.shape[1], **opts)
     return out[:, :, :T]
 
 
@@ -287,7 +291,7 @@ class TTTFlexAttention:
     def __call__(self, q, ks, vs, lengths: torch.Tensor | None = None):
         if torch.compiler.is_compiling():
             return ttt_attention_flex(q, ks, vs, lengths, compiled=self.compiled)
-        B, Hq, T, D = q.shape
+        B, _, T, D = q.shape
         k = len(ks) - 1
         if k != self.written or k >= self.steps:
             raise ValueError(f"TTTFlexAttention: step {k} after {self.written} written steps of {self.steps}")
@@ -297,10 +301,5 @@ class TTTFlexAttention:
         self.kb = _WriteStep.apply(self.kb, ks[-1], k * Tp)
         self.vb = _WriteStep.apply(self.vb, vs[-1], k * Tp)
         self.written += 1
-        q_p = torch.nn.functional.pad(q, (0, 0, 0, Tp - T)) if Tp != T else q
-        block_mask = _cached_ttt_block_mask(Tp, k, q.device) if lengths is None else ttt_block_mask(Tp, k, lengths, q.device)
-        flex = flex_attention_compiled if self.compiled else flex_attention_eager
-        opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and self.compiled else {}
         L = (k + 1) * Tp
-        out = flex(q_p, self.kb[:, :, :L], self.vb[:, :, :L], block_mask=block_mask, enable_gqa=Hq != ks[0].shape[1], **opts)
-        return out[:, :, :T]
+        return _flex_steps(q, self.kb[:, :, :L], self.vb[:, :, :L], Tp, k, lengths, self.compiled)
