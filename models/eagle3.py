@@ -46,9 +46,13 @@ from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_att
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
 # (runs on CPU, has a backward there); flex = one FlexAttention call with the TTT BlockMask
 # (GPU; no flex backward on CPU).
-# flex: TTTFlexAttention, one per unroll (each step's K/V written once); flex_cat: the same flex call
-# over K/V concatenated anew every step (the earlier path, kept to compare and to fall back to)
-ATTENTION = {"eager": ttt_attention_eager, "lse": ttt_attention_lse, "flex": ttt_attention_flex, "flex_cat": ttt_attention_flex}
+# flex_cat: the same flex call over K/V concatenated anew every step (the earlier path, kept to
+# compare and to fall back to); flex: TTTFlexAttention, each step's K/V written once into buffers.
+# Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
+ATTENTION = {
+    "eager": lambda n: ttt_attention_eager, "lse": lambda n: ttt_attention_lse,
+    "flex": TTTFlexAttention, "flex_cat": lambda n: ttt_attention_flex,
+}
 # head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
 # chunked linear + CE, the [rows, Vd] logits never exist at once.
@@ -338,8 +342,7 @@ class Eagle3Draft(nn.Module):
         selects them on the device with nonzero(), a host sync per step). Returns the weighted
         loss and detached per-step sums {loss_sum, correct} for logging (loss_sum: Σ CE for kl,
         Σ (1 - α) for the LK objectives)."""
-        # flex: one stateful instance per unroll, so each step's K/V are written once (kernels/ttt_attention.py)
-        attend = TTTFlexAttention(ttt_length) if attention == "flex" else ATTENTION[attention]
+        attend = ATTENTION[attention](ttt_length)
         B, T, _ = batch.embeds.shape
         positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
