@@ -93,7 +93,6 @@ def main():
     if smoke:
         args.attention = [a for a in args.attention if a != "flex"]  # no flex backward on CPU
         args.out = Path("/tmp/draft_step_smoke.jsonl")
-    torch._dynamo.config.recompile_limit = 64  # flex compiles once per TTT step shape
 
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(device=device, dtype=dtype)

@@ -85,11 +85,6 @@ def main():
     out_path = args.out or (Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl")
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
-    # flex_attention_compiled uses dynamic=False: one graph per (seq, k); dynamo's default limit
-    # of 8 recompiles would silently fall back to eager flex (dense scores) past that.
-    cfg = torch._dynamo.config
-    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 256)
-
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:

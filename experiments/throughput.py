@@ -525,9 +525,6 @@ def main():
     if args.measure_mask:
         args.mask_density = measure_mask_density(args.seq)
         print(f"[mask] measured density {args.mask_density:.3f}")
-    for name, v in (("recompile_limit", 64), ("accumulated_recompile_limit", 512)):  # a graph per batch size and backend
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, v)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     args.peak_tflops = peak_matmul_tflops(device, dtype)

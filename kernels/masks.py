@@ -32,6 +32,7 @@ flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
 # every 128-token length bucket (TTT 13 x 4 buckets at max_len 512 = 52 shapes, ~2 s each once).
 # Dynamo's default limit (8) would silently fall back to eager flex past it, which materialises the
 # scores (seen on the H200: the TTT 9 sweep runs slowed down, the TTT 13 ones ran out of memory).
+# Set here, on import, for every user of flex (training, benchmarks, tests), not by each of them.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 

@@ -13,18 +13,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _room_for_recompiles():
-    """flex_attention_compiled is compiled with dynamic=False: every (T, k, mask) here is a new
-    graph. Past dynamo's recompile limit (8) it would silently fall back to eager flex."""
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    old = getattr(cfg, name)
-    setattr(cfg, name, max(old, 64))
-    yield
-    setattr(cfg, name, old)
-
-
 def _max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
