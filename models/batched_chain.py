@@ -17,7 +17,7 @@ may round differently, so near-ties can resolve differently (tests compare in fl
 import torch
 
 from models.eagle3 import Eagle3Draft
-from models.speculative import SpecStats
+from models.speculative import SpecStats, cache_kwarg, trim_output
 
 
 def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Tensor:
@@ -32,10 +32,10 @@ def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Ten
 class _Target:
     """An HF causal LM over a slot cache: forward(ids [B, T], positions [B, T], new_valid [B, T])."""
 
-    def __init__(self, model, aux_layers, runner_cache_kw: str):
+    def __init__(self, model, aux_layers):
         from transformers import DynamicCache
 
-        self.model, self.aux_layers, self.kw = model, aux_layers, runner_cache_kw
+        self.model, self.aux_layers, self.kw = model, aux_layers, cache_kwarg(model)
         self.cache = DynamicCache(config=model.config)
         self.valid = None  # [B, S]
 
@@ -60,11 +60,9 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
                            eos_ids=()) -> list[tuple[list[int], SpecStats]]:
     """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
     EAGLE-3 drafts per step, all prompts in one batch."""
-    from models.speculative import TargetRunner
-
     dev, dtype = model.device, draft.fc.weight.dtype
     embed, draft_ids, eos = model.get_input_embeddings(), draft.draft_ids.to(dev), set(eos_ids)
-    target = _Target(model.eval(), draft.config.aux_layers, TargetRunner(model)._cache_kw)
+    target = _Target(model.eval(), draft.config.aux_layers)
     B = len(prompts)
     ids = [list(p) for p in prompts]
     stats = [SpecStats(prompts=1) for _ in prompts]
@@ -92,10 +90,16 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
     d_valid = valid
     h_last = out[torch.arange(B, device=dev), P - 1][:, None]  # [B, 1, H]
 
+    def keep_rows(rows: list[int]):
+        """Drop the finished rows (rows: the batch indices to keep) from both caches and the draft state."""
+        nonlocal past, d_valid, h_last
+        keep = torch.tensor(rows, dtype=torch.long, device=dev)
+        target.keep_rows(keep)
+        past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+
     active = [b for b in range(B) if not (ids[b][-1] in eos or max_new_tokens <= 1)]
-    keep = torch.tensor(active, dtype=torch.long, device=dev)
-    target.keep_rows(keep)
-    past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+    if len(active) < B:
+        keep_rows(active)
     while active:
         A = len(active)
         N = torch.tensor([len(ids[b]) for b in active], device=dev)  # committed lengths
@@ -123,17 +127,9 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
 
         still = []
         for i, b in enumerate(active):
-            n, st = n_list[i], stats[b]
+            n = n_list[i]
             new = drafts_l[i][:n] + [pred_l[i][n]]
-            st.target_forwards += 1
-            st.drafts += 1
-            st.proposed += 1
-            st.draft_tokens += depth
-            st.accepted += n
-            if len(st.accepted_per_pos) < depth:
-                st.accepted_per_pos += [0] * (depth - len(st.accepted_per_pos))
-            for p in range(n):
-                st.accepted_per_pos[p] += 1
+            stats[b].add_step(depth, n)
             ids[b] += new
             if not (any(t in eos for t in new) or len(ids[b]) - len(prompts[b]) >= max_new_tokens):
                 still.append(i)
@@ -142,8 +138,7 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
         M = int(n_acc.max()) + 1
         m = torch.arange(M, device=dev)
         new_valid = m[None] <= n_acc[:, None]  # [A, M]
-        idx = m[None].clamp(max=T - 1).expand(A, -1)
-        hid = draft.project(aux.gather(1, idx[..., None].expand(-1, -1, aux.shape[-1])).to(dtype))
+        hid = draft.project(aux[:, :M].to(dtype))  # M <= T: the verified rows 0..n (padding: later rows)
         # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
         bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
         emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
@@ -152,19 +147,12 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
         h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))
 
         if len(still) < A:  # finished rows leave the batch
-            keep = torch.tensor(still, dtype=torch.long, device=dev)
-            target.keep_rows(keep)
-            past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+            keep_rows(still)
             active = [active[i] for i in still]
 
     results = []
     for b in range(B):
-        out_ids = ids[b][len(prompts[b]) :]
-        for i, t in enumerate(out_ids):
-            if t in eos:
-                out_ids = out_ids[: i + 1]
-                break
-        out_ids = out_ids[:max_new_tokens]
+        out_ids = trim_output(ids[b][len(prompts[b]) :], eos, max_new_tokens)
         stats[b].new_tokens = len(out_ids)
         results.append((out_ids, stats[b]))
     return results

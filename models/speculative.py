@@ -81,6 +81,18 @@ class SpecStats:
         n = max(len(self.accepted_per_pos), len(o.accepted_per_pos))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][:n]
 
+    def add_step(self, depth: int, accepted: int, proposed: bool = True):
+        """One verification step that drafted `depth` deep and accepted the first `accepted`."""
+        self.target_forwards += 1
+        self.drafts += 1
+        self.proposed += int(proposed)
+        self.draft_tokens += depth
+        self.accepted += accepted
+        if len(self.accepted_per_pos) < depth:
+            self.accepted_per_pos += [0] * (depth - len(self.accepted_per_pos))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
     def summary(self) -> dict:
         d = max(self.drafts, 1)
         return {
@@ -95,6 +107,11 @@ class SpecStats:
         }
 
 
+def cache_kwarg(model) -> str:
+    """The name of an HF model's KV-cache argument (renamed in transformers 5.2x)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TargetRunner:
     """An HF causal LM with a KV cache that can keep an arbitrary subset of its new rows, and
     the aux hidden states (outputs of `aux_layers`, HF hidden_states[i + 1]) of every row."""
@@ -104,8 +121,7 @@ class TargetRunner:
 
         self.model, self.aux_layers = model.eval(), list(aux_layers or [])
         self._new_cache = lambda: DynamicCache(config=model.config)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._cache_kw = cache_kwarg(model)
         self.cache, self.length = None, 0
 
     def reset(self):
@@ -372,7 +388,6 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
         if len(tree):
             mask[1:, 1:] = tree.ancestors_mask()
         logits, aux = target.forward([ids[-1]] + tree.tokens, [N - 1] + [N - 1 + x for x in depths], mask if len(tree) else None)
-        st.target_forwards += 1
         pred = logits.argmax(-1).tolist()
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
@@ -385,14 +400,7 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
             cur = nxt[0]
             path.append(cur)
         new = [tree.tokens[i] for i in path] + [pred[cur + 1]]
-        st.drafts += 1
-        st.proposed += int(len(tree) > 0)
-        st.draft_tokens += max(depths, default=0)
-        st.accepted += len(path)
-        if len(st.accepted_per_pos) < max(depths, default=0):
-            st.accepted_per_pos += [0] * (max(depths) - len(st.accepted_per_pos))
-        for j in range(len(path)):
-            st.accepted_per_pos[j] += 1
+        st.add_step(max(depths, default=0), len(path), proposed=len(tree) > 0)
         rows = [0] + [1 + i for i in path]
         target.keep(N - 1, rows)
         ids += new
@@ -400,11 +408,15 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
             break
         if proposer.needs_aux:
             proposer.commit(ids, aux[rows])
-    out = ids[len(prompt) :]
-    for i, t in enumerate(out):
-        if t in eos:
-            out = out[: i + 1]
-            break
-    out = out[:max_new_tokens]
+    out = trim_output(ids[len(prompt) :], eos, max_new_tokens)
     st.new_tokens = len(out)
     return out, st
+
+
+def trim_output(out: list[int], eos: set, max_new_tokens: int) -> list[int]:
+    """The generated ids up to and including the first EOS, at most max_new_tokens (a step
+    emits up to depth + 1 tokens, so it can run past either)."""
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[: i + 1][:max_new_tokens]
+    return out[:max_new_tokens]
