@@ -74,6 +74,14 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[int], max_new: int, eos):
+    """Raise unless `out` equals plain greedy decoding of the target after `prompt`."""
+    ref, _ = speculative_generate(target, Proposer(), prompt, max_new, eos)
+    if ref != out:
+        i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        raise AssertionError(f"{name}: output differs from greedy decoding at token {i}")
+
+
 def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=False):
     """All turns of all conversations through one proposer. Returns (stats, seconds, turns)
     with turns = [(prompt ids, output ids, SpecStats)] (to replay the prompts elsewhere)."""
@@ -85,10 +93,7 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
             prompt = render(tokenizer, msgs)
             out, s = speculative_generate(target, proposer, prompt, max_new, eos)
             if check_greedy:
-                ref, _ = speculative_generate(target, Proposer(), prompt, max_new, eos)
-                if ref != out:
-                    i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-                    raise AssertionError(f"{proposer.name}: output differs from greedy decoding at token {i}")
+                assert_greedy(target, proposer.name, prompt, out, max_new, eos)
             turns_out.append((prompt, out, s))
             st.add(s)
             text = tokenizer.decode(out, skip_special_tokens=True)
@@ -96,7 +101,7 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
     return st, time.time() - t0, turns_out
 
 
-def run_dataset_batched(model, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False):
+def run_dataset_batched(target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False):
     """run_dataset for an EAGLE-3 chain proposer, `batch` conversations decoded at once
     (models/batched_chain.py); turn t of every conversation in a group runs in one batch."""
     from models.batched_chain import batched_chain_generate
@@ -111,13 +116,10 @@ def run_dataset_batched(model, proposer, tokenizer, convs: list[list[str]], max_
             for c in live:
                 msgs[c].append({"role": "user", "content": convs[c][t]})
                 prompts.append(render(tokenizer, msgs[c]))
-            outs = batched_chain_generate(model, proposer.draft, prompts, proposer.depth, max_new, eos)
+            outs = batched_chain_generate(target.model, proposer.draft, prompts, proposer.depth, max_new, eos)
             for c, prompt, (out, s) in zip(live, prompts, outs):
                 if check_greedy:
-                    ref, _ = speculative_generate(TargetRunner(model, []), Proposer(), prompt, max_new, eos)
-                    if ref != out:
-                        i = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-                        raise AssertionError(f"{proposer.name} (batched): output differs from greedy decoding at token {i}")
+                    assert_greedy(target, f"{proposer.name} (batched)", prompt, out, max_new, eos)
                 by_conv[c].append((prompt, out, s))
                 st.add(s)
                 msgs[c].append({"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)})
@@ -237,7 +239,7 @@ def main(a: EvalArgs) -> dict:
         result["results"][ds] = {}
         for p in proposers:
             if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)
-                st, sec, turns = run_dataset_batched(model, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy)
+                st, sec, turns = run_dataset_batched(target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy)
             else:
                 st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
             if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM

@@ -251,7 +251,8 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
     prompts.write_text("\n".join(json.dumps(x) for x in (
         {"turns": ["Hi there", "And again"]}, {"prompt": "Count to ten."}, {"turns": ["One", "Two"]})) + "\n")
     res = {b: evaluate.main(evaluate.EvalArgs(draft=str(run), target=str(target_dir), data=(str(prompts),), num_prompts=0,
-                                              max_new_tokens=12, k=(3,), tree_topk=2, tree_depth=2, batch=b))["results"]["p"]
+                                              max_new_tokens=12, k=(3,), tree_topk=2, tree_depth=2, batch=b,
+                                              check_greedy=True))["results"]["p"]
            for b in (1, 2)}
     assert res[2]["eagle3-chain3"]["prompts"] == 5
     assert res[1] == {k: {**v, "seconds": res[1][k]["seconds"]} for k, v in res[2].items()}
