@@ -10,8 +10,10 @@ again; a run whose training finished but whose evaluation did not is evaluated a
 retraining. Seeds are the outer loop: when --budget-minutes stops the sweep early, every setting
 has its first seed.
 
-Evaluation (evaluate.py) decodes on the CPU; on a GPU machine it runs in the background while the
-next setting trains (--overlap-eval), so a run costs max(train, eval) instead of the sum.
+Scheduling (Sweep.run): up to --parallel trainings at once; evaluations (evaluate.py, --eval-batch
+conversations per batch) start once no training runs, at most --eval-parallel at once, on the CPU
+(--eval-device cpu) or the GPU. One exception: with --parallel 1, a GPU training and CPU evaluation
+(--overlap-eval), run i is evaluated while run i+1 trains, so a run costs max(train, eval).
 
 --smoke: the tiny version for CI (2 steps, 1 setting, 1 seed, 1 prompt of 8 tokens, a CSV in a
 temporary directory unless --csv says otherwise).
@@ -176,9 +178,7 @@ class Sweep:
                 "--batch", str(a.eval_batch)]
 
     def run(self) -> int:
-        """An event loop over the runs: up to --parallel trainings at once; each finished training
-        starts its evaluation (CPU) in the background when training is on a GPU, else the next
-        training waits for it (both would share the same cores)."""
+        """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""
         a, t_start = self.a, time.time()
         done = done_keys(self.csv)
         todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
@@ -238,7 +238,7 @@ class Sweep:
         return 1 if failed else 0
 
     def _gpu_training(self) -> bool:
-        if self.a.device not in ("auto", "cuda") and not self.a.device.startswith("cuda"):
+        if self.a.device != "auto" and not self.a.device.startswith("cuda"):
             return False
         import torch
 
