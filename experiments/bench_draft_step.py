@@ -16,9 +16,11 @@ appended to experiments/results/draft_step_h200.jsonl.
 """
 import argparse
 import datetime
+import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -117,53 +119,46 @@ def main():
         opt.zero_grad(set_to_none=True)
         return total.detach()
 
+    def timed_step(attention, loss, ttt, counts) -> tuple[float, float, float]:
+        """(ms, peak GiB above what was allocated before, loss) of one step."""
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            total = step(attention, loss, ttt, counts)
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end), (torch.cuda.max_memory_allocated() - before) / 2**30, float(total)
+        t0 = time.perf_counter()
+        total = step(attention, loss, ttt, counts)
+        return (time.perf_counter() - t0) * 1e3, float("nan"), float(total)
+
     rows = []
     for ttt in args.ttt:
         counts = local_counts(batch, draft.t2d, ttt)
-        ref_loss = None
-        for attention in args.attention:
-            for loss in args.loss:
-                assert attention in ATTENTION and loss in LOSSES
-                row = dict(base, ttt=ttt, impl=f"{attention}+{loss}", attention=attention, loss=loss)
-                state = {k: v.clone() for k, v in draft.state_dict().items()}
-                try:
-                    times = []
-                    for i in range(args.warmup + args.iters):
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                            torch.cuda.reset_peak_memory_stats()
-                            before = torch.cuda.memory_allocated()
-                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                            start.record()
-                        else:
-                            import time
-
-                            t0 = time.perf_counter()
-                        first_loss = step(attention, loss, ttt, counts)
-                        if device == "cuda":
-                            end.record()
-                            torch.cuda.synchronize()
-                            ms = start.elapsed_time(end)
-                            peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-                        else:
-                            ms, peak = (time.perf_counter() - t0) * 1e3, float("nan")
-                        if i == 0:  # same parameters for every combination's first step: same loss
-                            loss0 = float(first_loss)
-                            ref_loss = loss0 if ref_loss is None else ref_loss
-                        if i >= args.warmup:
-                            times.append(ms)
-                    row.update(ms=statistics.median(times), peak_gib=round(peak, 3),
-                               tokens_per_s=args.batch * T / (statistics.median(times) / 1e3),
-                               loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
-                except torch.OutOfMemoryError:
-                    row.update(ms=None, peak_gib=None, oom=True)
-                    opt.zero_grad(set_to_none=True)
-                draft.load_state_dict(state)
-                opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        ref_loss = None  # every combination's first step starts from the same parameters: same loss
+        for attention, loss in itertools.product(args.attention, args.loss):
+            assert attention in ATTENTION and loss in LOSSES
+            row = dict(base, ttt=ttt, impl=f"{attention}+{loss}", attention=attention, loss=loss)
+            state = {k: v.clone() for k, v in draft.state_dict().items()}
+            try:
+                runs = [timed_step(attention, loss, ttt, counts) for _ in range(args.warmup + args.iters)]
+                loss0 = runs[0][2]
+                ref_loss = loss0 if ref_loss is None else ref_loss
+                ms = statistics.median(r[0] for r in runs[args.warmup :])
+                row.update(ms=ms, peak_gib=round(runs[-1][1], 3), tokens_per_s=args.batch * T / (ms / 1e3),
+                           loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
+            except torch.OutOfMemoryError:
+                row.update(ms=None, peak_gib=None, oom=True)
+                opt.zero_grad(set_to_none=True)
+            draft.load_state_dict(state)
+            opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for r in rows:
