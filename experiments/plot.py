@@ -90,27 +90,27 @@ def plot_ttt(path: Path, figures: Path) -> list[Path]:
     plt.close(fig)
 
     cost = path.parent / "ttt_cost_h200.jsonl"
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     if cost.exists():  # each draft step alone on the GPU (bench_draft_step.py): the sweep's runs shared it
-        pts = sorted((r["ttt"], r["ms"], r["peak_gib"]) for r in map(json.loads, open(cost)) if r.get("ms"))
-        r0 = json.loads(open(cost).readline())
-        for ax, i, label in ((axes[0], 1, "draft step fwd+bwd+AdamW (ms)"), (axes[1], 2, "draft step peak memory (GiB)")):
-            ax.plot([p[0] for p in pts], [p[i] for p in pts], "-o", color="#444444", markersize=4)
-            ax.set_xlabel("TTT length")
-            ax.set_ylabel(label)
-            ax.set_xticks([p[0] for p in pts])
-            ax.grid(alpha=0.3)
-        fig.suptitle(f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, draft vocab {r0['vocab']}, "
-                     f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}", fontsize=9)
+        recs = [json.loads(line) for line in open(cost)]
+        pts = sorted((r["ttt"], r["ms"], r["peak_gib"]) for r in recs if r.get("ms"))
+        cxs = [p[0] for p in pts]
+        panels = (([[p[1]] for p in pts], "draft step fwd+bwd+AdamW (ms)"), ([[p[2]] for p in pts], "draft step peak memory (GiB)"))
+        r0 = recs[0]
+        title = (f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, draft vocab {r0['vocab']}, "
+                 f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}")
     else:
-        for ax, col, label in ((axes[0], "train_seconds", "training time (s)"), (axes[1], "peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})")):
-            vals = by_setting(rows, col)
-            spread_line(ax, xs, [vals[s] for s in settings], "#444444", label)
-            ax.set_xlabel("TTT length")
-            ax.set_ylabel(label)
-            ax.set_xticks(xs)
-            ax.grid(alpha=0.3)
-        fig.suptitle("Training cost vs TTT length\n" + subtitle(rows, others), fontsize=9)
+        cxs = xs
+        panels = tuple(([by_setting(rows, col)[s] for s in settings], label) for col, label in (
+            ("train_seconds", "training time (s)"), ("peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})")))
+        title = "Training cost vs TTT length\n" + subtitle(rows, others)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, (per_x, label) in zip(axes, panels):
+        spread_line(ax, cxs, per_x, "#444444", label)
+        ax.set_xlabel("TTT length")
+        ax.set_ylabel(label)
+        ax.set_xticks(cxs)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     out.append(figures / "ttt_cost.png")
     fig.savefig(out[1], dpi=130)
