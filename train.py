@@ -101,8 +101,8 @@ class TrainConfig:
     """evaluate the held-out split every N steps (0 = at start and end only)"""
     eval_batch_size: int = 8
     attention: str = "auto"
-    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; K/V written once per
-    step into shared buffers) | flex_cat (GPU; K/V concatenated anew each step); auto = flex on GPU, lse on CPU"""
+    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; FlexAttention, K/V
+    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md); auto = flex on GPU, lse on CPU"""
     loss: str = "auto"
     """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"

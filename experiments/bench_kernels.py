@@ -8,9 +8,10 @@ What is measured (bf16, batch 1, EAGLE-3 draft of a Llama-8B-like target: hidden
 32 query / 8 kv heads, head dim 128):
   ttt_attention  the whole TTT unroll, fwd + bwd: step s = 0..n-1 attends over s+1 key sets
                  (n = --ttts), impls eager (materialised logits) / lse (fused causal SDPA +
-                 log-sum-exp merge) / flex (compiled flex_attention with the TTT block mask, each
-                 step's K/V written once into shared buffers) / flex_cat (the same, K/V
-                 concatenated anew every step: the measurement before the buffers)
+                 log-sum-exp merge) / flex (compiled flex_attention with the TTT block mask, K/V of
+                 the steps so far concatenated anew every step; what training uses) / flex_buf
+                 (the same, each step's K/V written once into shared buffers). The rows of
+                 commit de9b61e name them flex (buffers) and flex_cat (concatenated).
   ce             soft-target cross-entropy fwd + bwd on [seq, vocab] bf16 logits:
                  eager torch (fp32 log-softmax) vs the Triton kernel (in-place backward)
   head_ce        draft head (hidden @ W^T, W [vocab, 4096]) + soft CE, fwd + bwd:
@@ -48,7 +49,7 @@ def parse_args():
     ap.add_argument("--ttts", nargs="*", type=int, default=None, help="TTT steps, default 1 3 7")
     ap.add_argument("--vocabs", nargs="*", type=int, default=None, help="CE vocabularies, default 32000 64000")
     ap.add_argument("--head-vocab", type=int, default=None, help="default 32000")
-    ap.add_argument("--attn-impls", nargs="*", default=["eager", "lse", "flex", "flex_cat"])
+    ap.add_argument("--attn-impls", nargs="*", default=["eager", "lse", "flex", "flex_buf"])
     ap.add_argument("--flex-kernel-options", type=json.loads, default={},
                     help='JSON kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64}\' (recorded per row)')
     ap.add_argument("--check-seq", type=int, default=None, help="size of the correctness check, default 1024")
@@ -164,14 +165,14 @@ def main():
         "eager": ttt_attention_eager,
         "lse": ttt_attention_lse,
         # flex has no backward on CPU: the smoke run times eager flex forward only
-        # flex_cat: keys/values concatenated anew every step; flex (what training uses): written once
-        # into shared buffers (TTTFlexAttention, one instance per unroll)
-        "flex_cat": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False)),
+        # flex (what training uses): keys/values concatenated anew every step; flex_buf: written
+        # once into shared buffers (TTTFlexAttention, one instance per unroll)
+        "flex": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False)),
     }
-    fwd_only = {"flex": smoke, "flex_cat": smoke}
+    fwd_only = {"flex": smoke, "flex_buf": smoke}
 
     def attn_fn(impl, steps):
-        return TTTFlexAttention(steps, compiled=not smoke) if impl == "flex" else attn_impls[impl]
+        return TTTFlexAttention(steps, compiled=not smoke) if impl == "flex_buf" else attn_impls[impl]
 
     def attn_inputs(seq, n):
         qs = [randn(1, HQ, seq, D, seed=100 + s, grad=True) for s in range(n)]

@@ -14,7 +14,7 @@ PHASE=${1:?usage: h200_session.sh ttt|moe}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 LIMIT=${LIMIT:-540}
 EVAL=(--eval-device "${EVAL_DEVICE:-cpu}" --runs-dir /tmp/runs)
-[[ -n ${TRAIN_ARGS:-} ]] && EVAL+=("--train-args=$TRAIN_ARGS")  # e.g. TRAIN_ARGS="--pad-to-max-len --attention flex_cat"
+[[ -n ${TRAIN_ARGS:-} ]] && EVAL+=("--train-args=$TRAIN_ARGS")  # e.g. TRAIN_ARGS="--pad-to-max-len --attention flex_buf"
 [[ -f $T ]] || { echo "no staged target at $T: make the .stage/a call first"; exit 1; }
 python3 -c "from models.target import resolve_target as r; r('$T')" > /dev/null 2>&1 || { echo "GGUF conversion failed"; exit 1; }
 for f in ttt_scaling moe_drafts data_regen; do

@@ -89,7 +89,7 @@ class SweepArgs:
     runs_dir: str = "runs/experiments"
     train_args: str = "--pad-to-max-len"
     """extra train.py flags for every run, one string (shell-split), e.g.
-    --train-args="--pad-to-max-len --attention flex_cat" (padding every batch to --max-len gives flex one
+    --train-args="--pad-to-max-len --attention lse" (padding every batch to --max-len gives flex one
     shape per TTT step: ~2 s of compiling each, once)"""
     smoke: bool = False
     dry_run: bool = False

@@ -15,9 +15,10 @@ Three implementations, one contract (out [B, Hq, T, D]):
   ttt_attention_lse    fused causal SDPA + k diagonal terms merged by log-sum-exp, custom
                        backward; O(T) extra memory, trains on CPU and GPU
   ttt_attention_flex   one flex_attention call over concatenated keys with the TTT block mask;
-                       forward-only on CPU (flex has no CPU backward)
+                       forward-only on CPU (flex has no CPU backward); --attention flex
   TTTFlexAttention     the same over one unroll, keys/values written once into shared buffers
-                       (no per-step concatenation); what training uses for --attention flex
+                       (no per-step concatenation); --attention flex_buf. Measured on the H200
+                       it peaks higher than ttt_attention_flex (see the note above the class)
 """
 import math
 
@@ -266,6 +267,12 @@ def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool):
 # those views share and fail that backward, although the slices they read are never written
 # again. _WriteStep's backward routes the buffer's gradient: its slice to the step's k (or v),
 # the whole to the earlier writes.
+# Measured on the H200 (2026-11-29, bench_kernels.py, seq 4096, TTT 7, bf16): 1.37 GiB peak and
+# 15.5 ms against the concatenating path's 0.83 GiB and 15.0 ms, so it is not the default. Not
+# yet explained: on CPU, with a stand-in for flex that saves its inputs and returns fresh
+# gradients, the buffers do peak lower than the concatenation (62 vs 72 step-sized tensors at
+# TTT 7), so the excess is inside compiled flex's handling of these strided views or in the
+# full-buffer gradients of the _WriteStep chain under it; a CUDA memory snapshot would tell.
 # ---------------------------------------------------------------------------------------------
 class _WriteStep(torch.autograd.Function):
     @staticmethod

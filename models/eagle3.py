@@ -45,13 +45,14 @@ from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_att
 # TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
 # (runs on CPU, has a backward there); flex = one FlexAttention call with the TTT BlockMask
-# (GPU; no flex backward on CPU).
-# flex_cat: the same flex call over K/V concatenated anew every step (the earlier path, kept to
-# compare and to fall back to); flex: TTTFlexAttention, each step's K/V written once into buffers.
+# (GPU; no flex backward on CPU), K/V of all steps so far concatenated anew every step.
+# flex_buf: TTTFlexAttention, each step's K/V written once into shared buffers; meant to save the
+# concatenations' memory, but measured on the H200 it took more (1.37 vs 0.83 GiB at seq 4096,
+# TTT 7; BENCHMARKS.md), so it is an option to study, not the default.
 # Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
 ATTENTION = {
     "eager": lambda n: ttt_attention_eager, "lse": lambda n: ttt_attention_lse,
-    "flex": TTTFlexAttention, "flex_cat": lambda n: ttt_attention_flex,
+    "flex": lambda n: ttt_attention_flex, "flex_buf": TTTFlexAttention,
 }
 # head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =

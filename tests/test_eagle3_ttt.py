@@ -96,7 +96,7 @@ def test_every_path_matches_reference(attention, loss):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward and Triton need a GPU")
-@pytest.mark.parametrize("attention,loss", [("flex", "torch"), ("flex", "triton"), ("flex", "fused"), ("flex_cat", "triton"), ("lse", "fused")])
+@pytest.mark.parametrize("attention,loss", [("flex", "torch"), ("flex", "triton"), ("flex", "fused"), ("flex_buf", "triton"), ("lse", "fused")])
 def test_every_path_matches_reference_cuda(attention, loss):
     draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
     draft = draft.cuda()

@@ -56,10 +56,10 @@ def test_steps_out_of_order_fail():
         attend(qs[2], ks[:3], vs[:3])
 
 
-@pytest.mark.parametrize("attention", ["flex", "flex_cat"])
+@pytest.mark.parametrize("attention", ["flex", "flex_buf"])
 def test_draft_forward_with_flex_equals_eager(attention):
     """The EAGLE-3 draft's TTT forward (no grad: CPU) gives the eager loss and statistics through
-    TTTFlexAttention (compiled flex, on CPU through inductor)."""
+    compiled flex (on CPU through inductor), concatenating (flex) or buffered (flex_buf)."""
     from models.eagle3 import local_counts
     from tests.test_eagle3_ttt import setup
 
