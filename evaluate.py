@@ -16,6 +16,7 @@ first answer), humaneval (164 code prompts), gsm8k (1319 questions); or a JSONL 
 hold "prompt", "turns" or "messages". Prompts are rendered with the target's chat template.
 """
 import gzip
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -193,6 +194,35 @@ class EvalArgs:
     its acceptance counters with ours (needs the vLLM venv; tools/vllm_spec.py creates it)"""
     out: str = ""
     """append the result JSON line to this file"""
+    resume_file: str = ""
+    """after each dataset, save the results so far here; a later run with the same draft weights and
+    settings takes the datasets found there instead of decoding them again (a sweep's evaluation cut
+    off by a time limit keeps its finished benchmarks)"""
+
+
+def resume_key(a: EvalArgs, draft: torch.nn.Module, target_dir) -> dict:
+    """What decides the results: the draft's weights (digest), the target and every decoding setting."""
+    h = hashlib.sha256()
+    for name, t in sorted(draft.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    keep = ("num_prompts", "max_new_tokens", "k", "tree_topk", "tree_depth", "ngram", "check_greedy", "dtype", "device", "batch")
+    return {"draft_sha256": h.hexdigest(), "target": str(target_dir), **{f: list(v) if isinstance(v := getattr(a, f), tuple) else v for f in keep}}
+
+
+def load_resumed(path: Path, key: dict) -> dict:
+    """{dataset: results} saved under the same key, else {} (the file is then rewritten)."""
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        print(f"[resume] {path} is not valid JSON: decoding every dataset again", flush=True)
+        return {}
+    if saved.get("key") != key:
+        print(f"[resume] {path} holds another draft or other settings: decoding every dataset again", flush=True)
+        return {}
+    return saved["results"]
 
 
 def main(a: EvalArgs) -> dict:
@@ -233,9 +263,17 @@ def main(a: EvalArgs) -> dict:
         "versions": versions(), "hardware": hardware(a.device), "results": {},
     }
     replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
+    if a.resume_file and a.vllm:
+        raise SystemExit("--resume-file with --vllm: the vLLM replay needs every dataset's outputs; drop one of them")
+    key = resume_key(a, draft, target_dir) if a.resume_file else {}
+    resumed = load_resumed(Path(a.resume_file), key) if a.resume_file else {}
     for name in a.data:
-        convs = load_prompts(name, a.num_prompts)
         ds = Path(name).stem if Path(name).suffix else name
+        if ds in resumed:
+            result["results"][ds] = resumed[ds]
+            print(f"[{ds}] taken from {a.resume_file}: " + ", ".join(f"{n} tau={r['tau']:.3f}" for n, r in resumed[ds].items()), flush=True)
+            continue
+        convs = load_prompts(name, a.num_prompts)
         result["results"][ds] = {}
         for p in proposers:
             if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)
@@ -251,6 +289,10 @@ def main(a: EvalArgs) -> dict:
             extra = f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})" if isinstance(p, NgramProposer) else ""
             print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
+        if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
+            tmp = Path(a.resume_file + ".tmp")
+            tmp.write_text(json.dumps({"key": key, "results": result["results"]}))
+            tmp.replace(a.resume_file)
     if a.vllm:
         import tempfile
 

@@ -175,7 +175,7 @@ class Sweep:
         a = self.a
         return [sys.executable, "evaluate.py", str(run), "--target", a.target, "--num-prompts", str(a.num_prompts),
                 "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(self.eval_threads), "--device", a.eval_device,
-                "--batch", str(a.eval_batch)]
+                "--batch", str(a.eval_batch), "--resume-file", str(run / "eval_partial.json")]  # a cut-off evaluation keeps its finished benchmarks
 
     def run(self) -> int:
         """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""

@@ -256,3 +256,40 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
            for b in (1, 2)}
     assert res[2]["eagle3-chain3"]["prompts"] == 5
     assert res[1] == {k: {**v, "seconds": res[1][k]["seconds"]} for k, v in res[2].items()}
+
+
+def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
+    """--resume-file: a second run with the same draft and settings takes the saved datasets
+    (it decodes nothing) and returns the same results; other weights or settings decode again."""
+    import json
+
+    import evaluate
+    from tests.test_export import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny_run_inputs
+    hf = AutoModelForCausalLM.from_pretrained(target_dir)
+    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    data = []
+    for name, conv in (("a", {"prompt": "Count to ten."}), ("b", {"turns": ["Hi there", "And again"]})):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(conv) + "\n")
+        data.append(str(tmp_path / f"{name}.jsonl"))
+    resume = tmp_path / "partial.json"
+    args = dict(draft=str(run), target=str(target_dir), num_prompts=0, max_new_tokens=8, k=(2,), resume_file=str(resume))
+    first = evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
+    assert set(json.loads(resume.read_text())["results"]) == {"a"}
+
+    decoded = []
+    real = evaluate.run_dataset
+    monkeypatch.setattr(evaluate, "run_dataset", lambda t, p, tok, convs, *r: decoded.append(len(convs)) or real(t, p, tok, convs, *r))
+    both = evaluate.main(evaluate.EvalArgs(data=tuple(data), **args))  # "a" from the file, "b" decoded
+    assert decoded == [1] and both["results"]["a"] == first["results"]["a"]
+    assert set(json.loads(resume.read_text())["results"]) == {"a", "b"}
+    again = evaluate.main(evaluate.EvalArgs(data=tuple(data), **args))
+    assert decoded == [1] and again["results"] == both["results"]
+
+    evaluate.main(evaluate.EvalArgs(data=tuple(data), **{**args, "max_new_tokens": 6}))  # other settings: decode both
+    assert decoded == [1, 1, 1]
+    resume.write_text("{not json")  # a damaged file is not trusted
+    evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
+    assert decoded == [1, 1, 1, 1]
