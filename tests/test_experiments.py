@@ -54,6 +54,9 @@ def test_one_row_per_run(results, study, setting):
         assert info["kept"] == 40
     for k in ("git_commit", "hardware", "versions", "date", "train_cmd", "eval_cmd"):
         assert r[k], k
+    # the evaluation saved each benchmark as it finished, for a cut-off evaluation to resume from
+    partial = json.loads((Path(r["run_dir"]) / "eval_partial.json").read_text())["results"]
+    assert {b: partial[b][f"eagle3-chain{r['eval_k']}"]["tau"] for b in ("mtbench", "humaneval", "gsm8k")} == pytest.approx(dict(zip(("mtbench", "humaneval", "gsm8k"), taus)), abs=1e-4)
 
 
 def test_matched_data_are_the_same_chats(results):
