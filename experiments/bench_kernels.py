@@ -12,6 +12,10 @@ What is measured (bf16, batch 1, EAGLE-3 draft of a Llama-8B-like target: hidden
                  the steps so far concatenated anew every step; what training uses) / flex_buf
                  (the same, each step's K/V written once into shared buffers). The rows of
                  commit de9b61e name them flex (buffers) and flex_cat (concatenated).
+  ttt_call       one attention call, fwd + bwd: the last TTT step's queries against the keys of all
+                 n steps, the protocol of SpecForge's flex-vs-eager figures; impls eager_dense
+                 (their eager: keys concatenated, [T, nT] logits under a dense mask) / eager / lse /
+                 flex (ours)
   ce             soft-target cross-entropy fwd + bwd on [seq, vocab] bf16 logits:
                  eager torch (fp32 log-softmax) vs the Triton kernel (in-place backward)
   head_ce        draft head (hidden @ W^T, W [vocab, 4096]) + soft CE, fwd + bwd:
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter) to test the script")
-    ap.add_argument("--only", nargs="*", choices=["attn", "ce", "head"], default=["attn", "ce", "head"])
+    ap.add_argument("--only", nargs="*", choices=["attn", "call", "ce", "head"], default=["attn", "call", "ce", "head"])
     ap.add_argument("--seqs", nargs="*", type=int, default=None, help="default 2048 4096 8192")
     ap.add_argument("--ttts", nargs="*", type=int, default=None, help="TTT steps, default 1 3 7")
     ap.add_argument("--vocabs", nargs="*", type=int, default=None, help="CE vocabularies, default 32000 64000")
@@ -211,6 +215,47 @@ def main():
                     run_case("ttt_attention", impl, make, None if checked else check,
                              seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
                     checked = True
+
+    # ----------------------------------------------------------------------- one TTT step's call
+    # The protocol of SpecForge's flex-vs-eager figures (../shared/device/README.md): one attention
+    # call, the last TTT step's (queries of one step against the keys of all n steps). eager_dense
+    # is their eager: keys concatenated, [T, n T] logits materialised under the dense TTT mask.
+    def ttt_attention_dense(q, ks, vs):
+        T, n, g = q.shape[2], len(ks), q.shape[1] // ks[0].shape[1]
+        k_cat = torch.cat(ks, 2).repeat_interleave(g, dim=1)
+        v_cat = torch.cat(vs, 2).repeat_interleave(g, dim=1)
+        i, j = torch.arange(T, device=q.device)[:, None], torch.arange(n * T, device=q.device)[None, :]
+        mask = torch.where(j < T, j <= i, j % T == i)  # [T, nT]: causal over step 0, diagonal of the rest
+        scores = (q @ k_cat.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        probs = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
+        return probs @ v_cat
+
+    call_impls = {"eager_dense": ttt_attention_dense, "eager": ttt_attention_eager, "lse": ttt_attention_lse,
+                  "flex": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False))}
+
+    def call_step(impl, inputs, backward=True):
+        qs, ks, vs, douts = inputs
+        with torch.set_grad_enabled(backward):
+            out = call_impls[impl](qs[-1], ks, vs)
+        return [out] + (list(torch.autograd.grad(out, [qs[-1], *ks, *vs], douts[-1])) if backward else [])
+
+    if "call" in args.only:
+        for n in ttts:
+            for impl in call_impls:
+                bwd = not (smoke and impl == "flex")
+
+                def check(impl=impl, n=n, bwd=bwd):
+                    if impl == "eager_dense":
+                        return None
+                    inputs = attn_inputs(check_seq, n)
+                    return rel_err(call_step(impl, inputs, bwd), call_step("eager_dense", inputs, bwd))
+
+                for i, seq in enumerate(seqs):
+                    def make(impl=impl, seq=seq, n=n, bwd=bwd):
+                        inputs = attn_inputs(seq, n)
+                        return lambda: call_step(impl, inputs, bwd)
+
+                    run_case("ttt_call", impl, make, check if i == 0 else None, seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
 
     # ----------------------------------------------------------------------- cross-entropy
     def eager_soft_ce(z, p, mask):
