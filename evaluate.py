@@ -219,7 +219,7 @@ def load_resumed(path: Path, key: dict) -> dict:
     except json.JSONDecodeError:
         print(f"[resume] {path} is not valid JSON: decoding every dataset again", flush=True)
         return {}
-    if saved.get("key") != key:
+    if not isinstance(saved, dict) or saved.get("key") != key or not isinstance(saved.get("results"), dict):
         print(f"[resume] {path} holds another draft or other settings: decoding every dataset again", flush=True)
         return {}
     return saved["results"]
