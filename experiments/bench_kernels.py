@@ -195,26 +195,26 @@ def main():
             return outs
         return outs + list(torch.autograd.grad(outs, qs + ks + vs, douts))
 
-    if "attn" in args.only:
+    def bench_attention(name, step, impls, ref):
+        """Every impl at every TTT length and seq; each (impl, TTT) is checked once against ref."""
         for n in ttts:
-            for impl in args.attn_impls:
+            for impl in impls:
                 bwd = not fwd_only.get(impl, False)
 
                 def check(impl=impl, n=n, bwd=bwd):
-                    if impl == "eager":
-                        return None
                     inputs = attn_inputs(check_seq, n)
-                    return rel_err(attn_step(impl, inputs, bwd), attn_step("eager", inputs, bwd))
+                    return rel_err(step(impl, inputs, bwd), step(ref, inputs, bwd))
 
-                checked = False
-                for seq in seqs:
+                for i, seq in enumerate(seqs):
                     def make(impl=impl, seq=seq, n=n, bwd=bwd):
                         inputs = attn_inputs(seq, n)
-                        return lambda: attn_step(impl, inputs, bwd)
+                        return lambda: step(impl, inputs, bwd)
 
-                    run_case("ttt_attention", impl, make, None if checked else check,
+                    run_case(name, impl, make, check if i == 0 and impl != ref else None,
                              seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
-                    checked = True
+
+    if "attn" in args.only:
+        bench_attention("ttt_attention", attn_step, args.attn_impls, "eager")
 
     # ----------------------------------------------------------------------- one TTT step's call
     # The protocol of SpecForge's flex-vs-eager figures (../shared/device/README.md): one attention
@@ -230,8 +230,7 @@ def main():
         probs = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
         return probs @ v_cat
 
-    call_impls = {"eager_dense": ttt_attention_dense, "eager": ttt_attention_eager, "lse": ttt_attention_lse,
-                  "flex": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False))}
+    call_impls = {"eager_dense": ttt_attention_dense, **attn_impls}
 
     def call_step(impl, inputs, backward=True):
         qs, ks, vs, douts = inputs
@@ -240,22 +239,7 @@ def main():
         return [out] + (list(torch.autograd.grad(out, [qs[-1], *ks, *vs], douts[-1])) if backward else [])
 
     if "call" in args.only:
-        for n in ttts:
-            for impl in call_impls:
-                bwd = not (smoke and impl == "flex")
-
-                def check(impl=impl, n=n, bwd=bwd):
-                    if impl == "eager_dense":
-                        return None
-                    inputs = attn_inputs(check_seq, n)
-                    return rel_err(call_step(impl, inputs, bwd), call_step("eager_dense", inputs, bwd))
-
-                for i, seq in enumerate(seqs):
-                    def make(impl=impl, seq=seq, n=n, bwd=bwd):
-                        inputs = attn_inputs(seq, n)
-                        return lambda: call_step(impl, inputs, bwd)
-
-                    run_case("ttt_call", impl, make, check if i == 0 else None, seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
+        bench_attention("ttt_call", call_step, list(call_impls), "eager_dense")
 
     # ----------------------------------------------------------------------- cross-entropy
     def eager_soft_ce(z, p, mask):
