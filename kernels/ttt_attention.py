@@ -270,9 +270,9 @@ def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool):
 # Measured on the H200 (2026-11-29, bench_kernels.py, seq 4096, TTT 7, bf16): 1.37 GiB peak and
 # 15.5 ms against the concatenating path's 0.83 GiB and 15.0 ms, so it is not the default. Not
 # yet explained: on CPU, with a stand-in for flex that saves its inputs and returns fresh
-# gradients, the buffers do peak lower than the concatenation (62 vs 72 step-sized tensors at
-# TTT 7), so the excess is inside compiled flex's handling of these strided views or in the
-# full-buffer gradients of the _WriteStep chain under it; a CUDA memory snapshot would tell.
+# gradients, the buffers, write chain included, peak lower than the concatenation (62 vs 72
+# step-sized tensors at TTT 7; experiments/flex_buf_memory_cpu.py), so the excess most likely sits
+# in compiled flex's handling of these strided views; a CUDA memory snapshot would tell.
 # ---------------------------------------------------------------------------------------------
 class _WriteStep(torch.autograd.Function):
     @staticmethod
