@@ -65,8 +65,14 @@ def peak_in_steps(kind: str, B=1, H=2, T=256, D=16, S=7) -> float:
     return m.peak / (B * H * T * D * 4)
 
 
+def stand_in_patches() -> dict:
+    """kernels.ttt_attention attributes to replace: eager flex by the stand-in (which ignores the mask)."""
+    return {"flex_attention_eager": lambda q, k, v, block_mask=None, enable_gqa=False, **kw: StandInFlex.apply(q, k, v),
+            "_cached_ttt_block_mask": lambda *a, **kw: None}
+
+
 if __name__ == "__main__":
-    ta.flex_attention_eager = lambda q, k, v, block_mask=None, enable_gqa=False, **kw: StandInFlex.apply(q, k, v)
-    ta._cached_ttt_block_mask = lambda *a, **kw: None  # the stand-in ignores the mask
+    for name, fn in stand_in_patches().items():
+        setattr(ta, name, fn)
     for kind in ("cat", "buf"):
         print(f"{kind}: peak {peak_in_steps(kind):.1f} step-sized K tensors")

@@ -3,6 +3,8 @@ shared buffers instead of concatenated anew. On CPU: the forward equals ttt_atte
 step (eager flex; no CPU flex backward), the buffer writes route gradients exactly as the
 concatenation does (checked with a differentiable stand-in consumer), and calls out of order fail.
 The flex gradients themselves are checked on CUDA (tests/test_kernels_cuda.py)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,19 @@ def test_draft_forward_with_flex_equals_eager(attention):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gs["loss_sum"], ws["loss_sum"], rtol=1e-5, atol=1e-5)
     assert torch.equal(gs["correct"], ws["correct"])
+
+
+def test_buffers_peak_lower_around_a_stand_in_flex(monkeypatch):
+    """experiments/flex_buf_memory_cpu.py: with flex replaced by a stand-in that saves its inputs,
+    the buffered unroll (write chain and its gradients included) peaks below the concatenating one."""
+    import importlib.util
+
+    import kernels.ttt_attention as ta
+
+    spec = importlib.util.spec_from_file_location("flex_buf_memory_cpu", Path(__file__).resolve().parents[1] / "experiments/flex_buf_memory_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, fn in mod.stand_in_patches().items():
+        monkeypatch.setattr(ta, name, fn)
+    # in step-sized K tensors; the 0.01 allows for scalars (the loss sums) alive at the peak
+    assert mod.peak_in_steps("cat") == pytest.approx(72.0, abs=0.01) and mod.peak_in_steps("buf") == pytest.approx(62.0, abs=0.01)
