@@ -3,7 +3,7 @@
 # "Running on the H200"): stage the target first (call with .stage/a), then call this with carry
 # [".whl", ".device", ".stage/b", ".stage/regen"]:
 #   bash .device/run_on_device.sh bash experiments/h200_session.sh ttt    # TTT sweep (14 runs at once)
-#   bash .device/run_on_device.sh bash experiments/h200_session.sh moe    # MoE sweep (6 at once) + data regeneration (4)
+#   bash .device/run_on_device.sh bash experiments/h200_session.sh moe    # MoE sweep (8 at once) + data regeneration (4)
 # Each sweep stops itself before the 10-minute call limit (timeout); the same call again continues
 # it while the machine is warm: trained runs in /tmp/runs are only evaluated, and rows already in
 # the committed CSVs (copied to $OUT first) are skipped. Commit the CSVs that come back in $OUT.
@@ -29,7 +29,7 @@ case $PHASE in
     if [[ ! -d /tmp/runs/data_regen/data ]]; then
       mkdir -p /tmp/runs/data_regen && tar xzf .stage/regen/data.tgz -C /tmp/runs/data_regen || { echo "carry .stage/regen (README step 2)"; exit 1; }
     fi
-    timeout $LIMIT python3 experiments/moe_drafts.py --target $T --parallel 6 --csv $OUT/moe_drafts.csv "${EVAL[@]}" > $OUT/moe.log 2>&1 &
+    timeout $LIMIT python3 experiments/moe_drafts.py --target $T --parallel 8 --csv $OUT/moe_drafts.csv "${EVAL[@]}" > $OUT/moe.log 2>&1 &
     P=$!
     timeout $LIMIT python3 experiments/data_regen.py --target $T --parallel 4 --csv $OUT/data_regen.csv "${EVAL[@]}" > $OUT/regen.log 2>&1
     wait $P ;;
