@@ -74,6 +74,29 @@ def matched_files(out: Path, limit: int = 0) -> tuple[Path, Path]:
     return orig_path, regen_path
 
 
+def repetition(text: str, n: int = 4) -> float:
+    """Share of the reply's word n-grams that repeat an earlier one (0 = none; a reply stuck in a
+    loop approaches 1)."""
+    w = text.split()
+    grams = [tuple(w[i : i + n]) for i in range(len(w) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def reply_stats(path: Path, loop_share: float = 0.2) -> dict:
+    """Words per assistant reply and how repetitive the replies are, for one matched file: the
+    check behind experiments/README.md's reading of the regeneration result."""
+    words, reps = [], []
+    for line in open(path):
+        for m in json.loads(line)["messages"]:
+            if m["role"] == "assistant":
+                words.append(len(m["content"].split()))
+                reps.append(repetition(m["content"]))
+    words.sort()
+    return {"replies": len(words), "words_median": words[len(words) // 2], "words_mean": round(sum(words) / len(words), 1),
+            "repeated_4gram_share_mean": round(sum(reps) / len(reps), 3),
+            f"replies_over_{loop_share:g}_repeated": round(sum(r > loop_share for r in reps) / len(reps), 3)}
+
+
 def prepare(a: SweepArgs) -> SweepArgs:
     orig, regen = matched_files(Path(a.runs_dir) / "data_regen" / "data", a.num_records if a.smoke else 0)
     SETTINGS[:] = [("original", ["--data", str(orig)]), ("regenerated", ["--data", str(regen)])]

@@ -100,3 +100,21 @@ def test_train_args_string_reaches_train_py(tiny_run_inputs, tmp_path):
     out = run(["experiments/ttt_scaling.py", "--smoke", "--dry-run", "--target", str(target), "--data", str(data),
                "--train-args=--pad-to-max-len --attention eager", "--csv", str(tmp_path / "t.csv")])
     assert "--pad-to-max-len --attention eager --ttt-length 13" in out
+
+
+def test_reply_stats(tmp_path):
+    """The repetition measure behind the data-regeneration reading: a reply looping one 4-word
+    phrase scores high, a reply with no repeated 4-gram scores 0; only assistant turns count."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import data_regen
+
+    assert data_regen.repetition("a b c d a b c d") == pytest.approx(1 / 5)  # 5 four-grams, abcd twice
+    assert data_regen.repetition("one two three") == 0.0  # shorter than one 4-gram
+    loop = " ".join(["I am here to help."] * 20)
+    chats = [{"messages": [{"role": "user", "content": "x " * 50}, {"role": "assistant", "content": loop}]},
+             {"messages": [{"role": "user", "content": "y"}, {"role": "assistant", "content": " ".join(map(str, range(30)))}]}]
+    f = tmp_path / "m.jsonl"
+    f.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    s = data_regen.reply_stats(f)
+    assert s["replies"] == 2 and s["replies_over_0.2_repeated"] == 0.5 and s["words_mean"] == 65.0
+    assert 0.4 < s["repeated_4gram_share_mean"] < 0.5  # (~0.85 + 0) / 2
