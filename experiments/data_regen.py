@@ -11,8 +11,8 @@ in <runs-dir>/data_regen/data/matched.json).
 
 Rows: experiments/results/data_regen.csv.
 """
-import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -91,9 +91,8 @@ def reply_stats(path: Path, loop_share: float = 0.2) -> dict:
             if m["role"] == "assistant":
                 words.append(len(m["content"].split()))
                 reps.append(repetition(m["content"]))
-    words.sort()
-    return {"replies": len(words), "words_median": words[len(words) // 2], "words_mean": round(sum(words) / len(words), 1),
-            "repeated_4gram_share_mean": round(sum(reps) / len(reps), 3),
+    return {"replies": len(words), "words_median": statistics.median(words), "words_mean": round(statistics.fmean(words), 1),
+            "repeated_4gram_share_mean": round(statistics.fmean(reps), 3),
             f"replies_over_{loop_share:g}_repeated": round(sum(r > loop_share for r in reps) / len(reps), 3)}
 
 
