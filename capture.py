@@ -204,7 +204,14 @@ class RegenConfig:
     """0 = off"""
     seed: int = 0
     batch_size: int = 64
-    """conversations generated together (left-padded)"""
+    """--engine hf: conversations generated together (left-padded)"""
+    engine: str = "auto"
+    """slots: continuous batching on the compiled target's layers (models/generate.py; Llama / Qwen
+    families) | hf: transformers' generate over batches of conversations | auto: slots on a GPU
+    when the architecture is supported, else hf"""
+    slots: int = 512
+    """--engine slots: requests decoded together (each holds a KV cache of max_prompt_len +
+    max_new_tokens positions)"""
     dtype: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
     time_limit: float = 0
@@ -277,7 +284,14 @@ class _Deadline:
 
 
 def stop_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
+    """The generation config's EOS ids (an HF model's, or the compiled target's directory's) and
+    the tokenizer's."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        from transformers import GenerationConfig
+
+        gc = GenerationConfig.from_pretrained(model.path) if (Path(model.path) / "generation_config.json").exists() else GenerationConfig()
+    ids = gc.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
@@ -310,50 +324,119 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig,
     return res
 
 
+def turn_prompt(tokenizer, st: dict, slot: list[dict], j: int, cfg: RegenConfig) -> list[int] | None:
+    """Token ids of reply j's prompt (the conversation so far + slot j's new messages), or None
+    (and st["failed"] set) when it is over max_prompt_len. st: one conversation's state."""
+    msgs = st["messages"] + slot
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    p = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(p) > cfg.max_prompt_len:
+        st["failed"] = ("prompt_too_long", j)
+        return None
+    st["pending"] = msgs
+    return p
+
+
+def take_reply(tokenizer, st: dict, j: int, new: list[int], hit: bool):
+    """Reply j (token ids) joins the conversation; an empty one ends it."""
+    text = tokenizer.decode(new, skip_special_tokens=True).strip()
+    if not text:
+        st["failed"] = ("empty_output", j)
+        return
+    st["messages"] = st.pop("pending") + [{"role": "assistant", "content": text}]
+    st["new_tokens"] += len(new)
+    st["hit_max"] += int(hit)
+
+
+def new_state() -> dict:
+    return {"messages": [], "failed": None, "new_tokens": 0, "hit_max": 0}
+
+
+def conversation_result(cid: str, slots: list, st: dict) -> tuple[dict | None, dict | None]:
+    """(record, None) for a conversation with at least one reply, else (None, dropped)."""
+    if not slots:
+        return None, {"id": cid, "reason": "no_user_turn", "turn": 0}
+    if st["failed"] and st["failed"][1] == 0:
+        return None, {"id": cid, "reason": st["failed"][0], "turn": 0}
+    rec = {"id": cid, "messages": st["messages"], "turns": sum(m["role"] == "assistant" for m in st["messages"]),
+           "new_tokens": st["new_tokens"], "hit_max_new_tokens": st["hit_max"]}
+    if st["failed"]:  # kept up to the turn the target could not continue
+        rec["cut"], rec["cut_at_turn"] = st["failed"]
+    return rec, None
+
+
 def regenerate_batch(model, tokenizer, convs: list[tuple[str, list[dict]]], cfg: RegenConfig, stopper=None):
-    """Regenerate every reply of a batch of conversations, turn by turn (all conversations' turn
-    j in one generate call). Returns (records, dropped), or None if the stopper fired."""
+    """--engine hf: regenerate every reply of a batch of conversations, turn by turn (all
+    conversations' turn j in one generate call). Returns (records, dropped), or None if the
+    stopper fired."""
     slots = [reply_slots(m, cfg.max_turns) for _, m in convs]
-    state = [{"messages": [], "failed": None, "new_tokens": 0, "hit_max": 0} for _ in convs]
+    state = [new_state() for _ in convs]
     for j in range(max(map(len, slots), default=0)):
         active, prompts = [], []
-        for i, s in enumerate(state):
-            if j >= len(slots[i]) or s["failed"]:
-                continue
-            msgs = s["messages"] + slots[i][j]
-            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            p = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(p) > cfg.max_prompt_len:
-                s["failed"] = ("prompt_too_long", j)
-                continue
-            active.append((i, msgs))
-            prompts.append(p)
+        for i, st in enumerate(state):
+            if j < len(slots[i]) and not st["failed"] and (p := turn_prompt(tokenizer, st, slots[i][j], j, cfg)) is not None:
+                active.append(i)
+                prompts.append(p)
         if not active:
             continue
         outs = generate_batch(model, tokenizer, prompts, cfg, stopper)
         if stopper is not None and stopper.hit:
             return None
-        for (i, msgs), (new, hit) in zip(active, outs):
-            text = tokenizer.decode(new, skip_special_tokens=True).strip()
-            if not text:
-                state[i]["failed"] = ("empty_output", j)
-                continue
-            state[i]["messages"] = msgs + [{"role": "assistant", "content": text}]
-            state[i]["new_tokens"] += len(new)
-            state[i]["hit_max"] += int(hit)
+        for i, (new, hit) in zip(active, outs):
+            take_reply(tokenizer, state[i], j, new, hit)
     records, dropped = [], []
-    for (cid, _), sl, s in zip(convs, slots, state):
-        if not sl:
-            dropped.append({"id": cid, "reason": "no_user_turn", "turn": 0})
-        elif s["failed"] and s["failed"][1] == 0:
-            dropped.append({"id": cid, "reason": s["failed"][0], "turn": 0})
-        else:
-            rec = {"id": cid, "messages": s["messages"], "turns": sum(m["role"] == "assistant" for m in s["messages"]),
-                   "new_tokens": s["new_tokens"], "hit_max_new_tokens": s["hit_max"]}
-            if s["failed"]:  # kept up to the turn the target could not continue
-                rec["cut"], rec["cut_at_turn"] = s["failed"]
-            records.append(rec)
+    for (cid, _), sl, st in zip(convs, slots, state):
+        rec, drop = conversation_result(cid, sl, st)
+        (records if rec else dropped).append(rec or drop)
     return records, dropped
+
+
+def regenerate_slots(gen, tokenizer, convs: list[tuple[str, list[dict]]], cfg: RegenConfig, emit, stop):
+    """--engine slots: every conversation's turns through one continuous-batching generator
+    (models/generate.SlotGenerator). A conversation's next turn is queued ahead of new
+    conversations as soon as its reply is back; emit(records, dropped) receives conversations
+    as they complete. stop() is asked after every step; True abandons the conversations in
+    flight (a rerun redoes them). Returns True if it ran to the end."""
+    todo = iter(convs)
+    live: dict[str, tuple[list, dict, list]] = {}  # cid -> (slots, state, [turn j])
+
+    def advance(cid: str) -> tuple | None:
+        """Queue the conversation's next turn; None if it has none left (finished)."""
+        slots, st, j = live[cid]
+        while j[0] < len(slots) and not st["failed"]:
+            p = turn_prompt(tokenizer, st, slots[j[0]], j[0], cfg)
+            if p is not None:
+                gen.add(cid, p, front=True)
+                return
+        live.pop(cid)
+        return conversation_result(cid, slots, st)
+
+    def start_more():
+        recs, drops = [], []
+        while len(gen.waiting) < gen.S:
+            nxt = next(todo, None)
+            if nxt is None:
+                break
+            cid, msgs = nxt
+            live[cid] = (reply_slots(msgs, cfg.max_turns), new_state(), [0])
+            if (res := advance(cid)) is not None:
+                (recs if res[0] else drops).append(res[0] or res[1])
+        return recs, drops
+
+    emit(*start_more())
+    while gen.busy():
+        recs, drops = [], []
+        for cid, new, hit in gen.step():
+            slots, st, j = live[cid]
+            take_reply(tokenizer, st, j[0], new, hit)
+            j[0] += 1
+            if (res := advance(cid)) is not None:
+                (recs if res[0] else drops).append(res[0] or res[1])
+        more = start_more()
+        emit(recs + more[0], drops + more[1])
+        if stop():
+            return False
+    return True
 
 
 def _sidecars(out: Path) -> tuple[Path, Path]:
@@ -402,6 +485,19 @@ def _counts(records: list[dict], dropped: list[dict], source_total: int) -> dict
             "turns_hit_max_new_tokens": sum(r["hit_max_new_tokens"] for r in records), **dict(sorted(c.items()))}
 
 
+def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
+    from models.fast_target import FAMILIES
+
+    if engine not in ("auto", "slots", "hf"):
+        raise SystemExit(f"error: --engine must be auto, slots or hf, got {engine!r}")
+    model_type = json.loads((target_dir / "config.json").read_text()).get("model_type")
+    if engine == "slots" and model_type not in FAMILIES:
+        raise SystemExit(f"error: --engine slots runs {', '.join(FAMILIES)} targets; this one is {model_type!r} (use --engine hf)")
+    if engine == "auto":
+        return "slots" if device_kind == "cuda" and model_type in FAMILIES else "hf"
+    return engine
+
+
 def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -420,7 +516,8 @@ def regenerate(cfg: RegenConfig) -> dict:
     dropped_path, prov_path = _sidecars(out)
     settings = {"target": cfg.target, "target_path": str(target_dir), "target_fingerprint": fingerprint(target_dir),
                 **{k: getattr(cfg, k) for k in ("data", "num_records", "max_turns", "max_new_tokens", "max_prompt_len",
-                                                "temperature", "top_p", "top_k", "seed", "batch_size", "max_output_mb")},
+                                                "temperature", "top_p", "top_k", "seed", "batch_size", "max_output_mb",
+                                                "engine", "slots")},
                 "dtype": str(dtype).removeprefix("torch.")}
     prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
     if prov is not None:
@@ -435,7 +532,14 @@ def regenerate(cfg: RegenConfig) -> dict:
     print(f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
           f"target {target_dir} ({dtype}, {kind})", flush=True)
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    engine = settings["engine"] = pick_engine(cfg.engine, target_dir, kind)
+    if engine == "slots":
+        from models.fast_target import FastTarget
+
+        model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    print(f"[regen] engine {engine}" + (f", {cfg.slots} slots" if engine == "slots" else f", batches of {cfg.batch_size}"), flush=True)
     torch.manual_seed(cfg.seed + len(done))  # a resumed sampling run continues with a fresh stream
     runs = (prov or {}).get("runs", [])
     run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "hardware": hardware(device),
@@ -468,11 +572,53 @@ def regenerate(cfg: RegenConfig) -> dict:
 
     status, t0, new_tok, last = "complete", time.time(), 0, 0.0
     write_provenance("running")
-    for bi, batch in enumerate(batches):
+
+    def progress(label: str, n_left: int):
+        el = time.time() - t0
+        c = write_provenance("running")["counts"]
+        n_done = c["written"] + c["dropped"] - len(done)
+        eta = el / max(n_done, 1) * n_left
+        print(f"[regen] {label}: {c['written']} written, {c['dropped']} dropped, {c['remaining']} remaining; "
+              f"{new_tok} new tokens, {new_tok / el:.0f} tok/s; {el:.0f} s, eta {eta:.0f} s", flush=True)
+
+    def over_size() -> bool:
+        return bool(cfg.max_output_mb) and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6
+
+    if engine == "slots":
+        from models.generate import Sampling, SlotGenerator
+
+        gen = SlotGenerator(model, cfg.slots, cfg.max_prompt_len, cfg.max_new_tokens, stop_ids(model, tokenizer),
+                            Sampling(cfg.temperature, cfg.top_p, cfg.top_k), seed=cfg.seed + len(done))
+        last_print = [time.time()]
+
+        def emit(recs, drops):
+            nonlocal new_tok
+            _append(out, recs)
+            _append(dropped_path, drops)
+            done_records.extend(recs)
+            done_dropped.extend(drops)
+            new_tok += sum(r["new_tokens"] for r in recs)
+            if time.time() - last_print[0] > 30:
+                last_print[0] = time.time()
+                progress(f"step {gen.steps}", len(pending) - (len(done_records) + len(done_dropped) - len(done)))
+
+        def stop() -> bool:
+            nonlocal status
+            if deadline is not None and time.time() > deadline:
+                status = "stopped_by_time_limit"  # conversations in flight are dropped; a rerun redoes them
+            elif over_size():
+                status = "stopped_by_size_limit"
+            return status != "complete"
+
+        if not over_size():
+            regenerate_slots(gen, tokenizer, ordered, cfg, emit, stop)
+        else:
+            status = "stopped_by_size_limit"
+    for bi, batch in enumerate(batches if engine == "hf" else []):
         if deadline is not None and time.time() + last > deadline:
             status = "stopped_by_time_limit"
             break
-        if cfg.max_output_mb and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6:
+        if over_size():
             status = "stopped_by_size_limit"
             break
         tb = time.time()
@@ -487,13 +633,9 @@ def regenerate(cfg: RegenConfig) -> dict:
         done_dropped += drops
         last = time.time() - tb
         new_tok += sum(r["new_tokens"] for r in recs)
-        el = time.time() - t0
-        n_done = (bi + 1) * cfg.batch_size
-        eta = el / min(n_done, len(convs)) * max(0, len(convs) - n_done)
-        c = write_provenance("running")["counts"]
-        print(f"[regen] batch {bi + 1}/{len(batches)}: {c['written']} written, {c['dropped']} dropped, "
-              f"{c['remaining']} remaining; {new_tok} new tokens, {new_tok / el:.0f} tok/s; "
-              f"{el:.0f} s, eta {eta:.0f} s", flush=True)
+        progress(f"batch {bi + 1}/{len(batches)}", max(0, len(convs) - (bi + 1) * cfg.batch_size))
+    el = time.time() - t0
+    run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
     doc = write_provenance(status)
     print(f"[regen] {status}: {json.dumps(doc['counts'])}", flush=True)
     print(f"[regen] wrote {out}, {dropped_path.name}, {prov_path.name}", flush=True)

@@ -33,8 +33,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PRESET = dict(num_records=8000, max_turns=2, max_new_tokens=512, max_prompt_len=2048, temperature=0.8,
-              top_p=0.95, seed=0, batch_size=384, max_output_mb=36)
+# v1 (data/sharegpt_smollm2_regen, 2026-11-29): HF generate, sampled, 3,390 chats in 13 GPU minutes
+PRESET_V1 = dict(num_records=8000, max_turns=2, max_new_tokens=512, max_prompt_len=2048, temperature=0.8,
+                 top_p=0.95, seed=0, batch_size=384, max_output_mb=36, engine="hf")
+# v2 (data/sharegpt_smollm2_greedy): every packaged chat, 3 replies each, greedy (the decoding the
+# draft is evaluated and served under; see data/sharegpt_smollm2_greedy/README.md for the choice),
+# continuous batching (models/generate.py). The output guard keeps the gzipped file under ~25 MB.
+PRESET = dict(num_records=0, max_turns=3, max_new_tokens=512, max_prompt_len=1536, temperature=0.0,
+              top_p=1.0, seed=0, batch_size=384, max_output_mb=90, engine="slots", slots=512)
 SMOKE = dict(num_records=6, max_turns=2, max_new_tokens=12, max_prompt_len=512, temperature=0.8,
              top_p=0.95, seed=0, batch_size=2)
 FILES = ("regen.jsonl.gz", "regen.dropped.jsonl", "regen.provenance.json")
@@ -47,7 +53,7 @@ def prepare(state: Path, num_records: int, max_turns: int):
     from data.chat import to_messages
     from data.datasets import load_records
 
-    records = load_records("sharegpt", num_records)
+    records = load_records("sharegpt", num_records or None)  # 0 = all
     state.mkdir(parents=True, exist_ok=True)
     path = state / "prompts.jsonl.gz"
     with gzip.open(path, "wt", encoding="utf-8") as f:
@@ -85,6 +91,42 @@ def run(state: Path, out_dir: Path, target: str, time_limit: float, settings: di
     return doc
 
 
+def bench(state: Path, out_dir: Path, target: str, n: int, settings: dict) -> list[dict]:
+    """The same first n conversations (first reply only) through today's path (--engine hf,
+    batches of 128) and the slot engine, greedy, back to back on this machine; then the slot
+    engine sampled (temperature 0.8, top-p 0.95, as v1): generated tokens/s, agreement of the
+    greedy outputs, and how repetitive each setting's replies are (experiments/data_regen.py)."""
+    from capture import RegenConfig, regenerate
+    from experiments.data_regen import reply_stats
+
+    base = {**settings, "max_turns": 1, "num_records": n}
+    runs = [("hf_greedy", {"engine": "hf", "batch_size": 128}), ("slots_greedy", {"engine": "slots"}),
+            ("slots_t0.8", {"engine": "slots", "temperature": 0.8, "top_p": 0.95})]
+    rows, texts = [], {}
+    for name, over in runs:
+        out = out_dir / "bench" / f"{name}.jsonl"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for f in out.parent.glob(f"{name}.*"):
+            f.unlink()
+        doc = regenerate(RegenConfig(target=target, data=str(state / "prompts.jsonl.gz"), out=str(out), **{**base, **over}))
+        run = doc["runs"][-1]
+        recs = [json.loads(line) for line in open(out)]
+        texts[name] = {r["id"]: r["messages"][-1]["content"] for r in recs}
+        rows.append({"what": "regen_bench", "setting": name, "conversations": n, "new_tokens": doc["counts"]["new_tokens"],
+                     "seconds": run["generate_seconds"], "tokens_per_s": round(doc["counts"]["new_tokens"] / run["generate_seconds"]),
+                     **reply_stats(out), "hardware": run["hardware"], "versions": run["versions"], "git_commit": run["git_commit"],
+                     "date": time.strftime("%Y-%m-%d")})
+    a, b = texts["hf_greedy"], texts["slots_greedy"]
+    rows[1]["same_reply_as_hf"] = round(sum(a[k] == b.get(k) for k in a) / max(len(a), 1), 3)
+    rows[1]["speedup_vs_hf"] = round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+    with open(out_dir / "regen_bench.jsonl", "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k not in ("hardware", "versions")}), flush=True)
+    return rows
+
+
 def smoke():
     """Prepare 6 conversations, regenerate 3 in a first call and the rest in a second call on a
     'fresh machine' (only the returned files carried over); check nothing is lost or repeated."""
@@ -110,7 +152,8 @@ def smoke():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "run", "smoke"])
+    ap.add_argument("cmd", choices=["prepare", "run", "bench", "smoke"])
+    ap.add_argument("--bench-n", type=int, default=512, help="bench: conversations")
     ap.add_argument("--state", type=Path, default=ROOT / ".stage" / "regen")
     ap.add_argument("--out-dir", type=Path, default=None, help="where the results go (default: --state)")
     ap.add_argument("--target", default="smollm2")
@@ -121,6 +164,8 @@ def main():
         prepare(args.state, PRESET["num_records"], PRESET["max_turns"])
     elif args.cmd == "run":
         run(args.state, args.out_dir or args.state, args.target, args.time_limit, {**PRESET, "batch_size": args.batch_size})
+    elif args.cmd == "bench":
+        bench(args.state, args.out_dir or args.state, args.target, args.bench_n, PRESET)
     else:
         smoke()
 

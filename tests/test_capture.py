@@ -151,15 +151,17 @@ def hf_greedy(model, tokenizer, messages, max_new_tokens):
     return tokenizer.decode(out[:cut], skip_special_tokens=True).strip()
 
 
-def test_regenerate_is_hf_greedy_turn_by_turn(tmp_path, tiny_run_inputs):
+@pytest.mark.parametrize("engine", ["hf", "slots"])
+def test_regenerate_is_hf_greedy_turn_by_turn(tmp_path, tiny_run_inputs, engine):
     from transformers import AutoModelForCausalLM
 
     from models.target import load_tokenizer
 
     target, data = tiny_run_inputs
     out = tmp_path / "regen.jsonl"
-    doc = regenerate(regen_cfg(target, data, out))
-    recs = [json.loads(l) for l in open(out)]
+    doc = regenerate(regen_cfg(target, data, out, engine=engine, slots=3))
+    assert doc["settings"]["engine"] == engine
+    recs = sorted((json.loads(l) for l in open(out)), key=lambda r: int(r["id"]))
     assert doc["counts"]["written"] == len(recs) == 8 and doc["counts"]["remaining"] == 0
     model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), load_tokenizer(target)
     source = [json.loads(l) for l in open(data)][:8]
@@ -203,6 +205,26 @@ def test_regenerate_resumes(tmp_path, tiny_run_inputs):
     assert by_id(out) == by_id(full)
     with pytest.raises(SystemExit, match="other settings"):
         regenerate(regen_cfg(target, data, out, temperature=0.8))
+
+
+def test_slots_engine_resumes_without_loss_or_duplicates(tmp_path, tiny_run_inputs):
+    """--engine slots writes conversations as they complete; a run stopped mid-way (here by the
+    output-size guard, as a kill between appends would) keeps what it wrote, and the rerun
+    writes each remaining conversation once: together, the hf engine's records."""
+    target, data = tiny_run_inputs
+    out, ref = tmp_path / "s.jsonl", tmp_path / "h.jsonl"
+    part = regenerate(regen_cfg(target, data, out, engine="slots", slots=2, num_records=12, max_output_mb=1e-4))
+    assert part["runs"][-1]["status"] == "stopped_by_size_limit" and 0 < part["counts"]["written"] < 12
+    head = out.read_text()
+    with open(out, "a") as f:
+        f.write('{"id": "99", "messa')  # and a crash mid-append
+    regenerate(regen_cfg(target, data, out, engine="slots", slots=2, num_records=12))
+    assert out.read_text().startswith(head)
+    regenerate(regen_cfg(target, data, ref, engine="hf", num_records=12))
+    ids = [json.loads(l)["id"] for l in open(out)]
+    assert sorted(ids, key=int) == [str(i) for i in range(12)]
+    by_id = lambda p: {r["id"]: r["messages"] for r in map(json.loads, open(p))}
+    assert by_id(out) == by_id(ref)
 
 
 def test_sampling_is_seeded(tmp_path, tiny_run_inputs):

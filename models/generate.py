@@ -1,0 +1,204 @@
+"""Continuous-batching generation with the compiled target's layers (models/fast_target.py):
+what `capture.py regenerate` runs on a GPU to rewrite a dataset's answers with the target.
+
+Why not `model.generate`: an HF batch runs until its longest row stops (rows that stopped early
+idle), left padding recomputes nothing useful, and every token syncs the host for its stopping
+check. Here a fixed set of `slots` shares one KV cache [slots, Hkv, L, D] per layer:
+  * a request (prompt token ids) is prefilled into a free slot (a batch of new prompts at once,
+    right-padded, causal SDPA: padding only ever follows the valid tokens, so it is never seen);
+  * one decode step advances every slot by one token (q [S, Hkv, G, D] against its own cache,
+    masked to its own length: no KV copy per query head);
+  * the host knows every slot's length without asking the device (prompt length + steps), and
+    reads the device only every `sync_every` steps: which slots stopped (EOS or max_new_tokens);
+    finished slots are emptied and refilled with waiting prompts at once.
+A slot that stopped between two syncs decodes a few wasted tokens, cut off at the first stop
+token when it is read back. Under greedy decoding the output equals the target's own greedy
+decoding (tests/test_generate.py against HF `generate`).
+"""
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.fast_target import FastTarget, apply_rope
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+def sample(logits_SV: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """Next token per row [S] from fp32 logits [S, V] (greedy, or temperature / top-k / top-p,
+    the filters applied in HF's order: temperature, top-k, top-p)."""
+    if s.temperature <= 0:
+        return logits_SV.argmax(-1)
+    x = logits_SV / s.temperature
+    if s.top_k > 0:
+        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        srt, idx = x.sort(dim=-1, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum - srt.softmax(-1) >= s.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+    return torch.multinomial(x.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+class SlotGenerator:
+    """generator.add(key, prompt_ids) queues a request; generator.step() runs until at least one
+    request finishes (or none is left) and returns [(key, new_token_ids, hit_max_new_tokens)]:
+    the tokens before the first stop token, and whether max_new_tokens ran out first."""
+
+    def __init__(self, target: FastTarget, slots: int, max_prompt_len: int, max_new_tokens: int, stop_ids,
+                 sampling: Sampling = Sampling(), seed: int = 0, sync_every: int = 16, prefill_tokens: int = 65536):
+        c = target.config
+        self.t, self.S, self.max_new, self.sync_every = target, slots, max_new_tokens, sync_every
+        self.max_prompt, self.prefill_tokens, self.sampling = max_prompt_len, prefill_tokens, sampling
+        dev, dt = target.lm_head.weight.device, target.lm_head.weight.dtype
+        self.dev = dev
+        self.L = max_prompt_len + max_new_tokens + sync_every  # a slot may run sync_every - 1 steps past its end
+        shape = (slots, c.num_key_value_heads, self.L, c.head_dim)
+        n_layers = len(target.model.layers)
+        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(n_layers)]
+        self.stop = torch.tensor(sorted(set(stop_ids)), device=dev)
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.tok = torch.zeros(slots, dtype=torch.long, device=dev)  # last sampled token per slot
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)  # its position (= tokens in cache)
+        self.out = torch.zeros(slots, max_new_tokens + sync_every, dtype=torch.long, device=dev)
+        self.stopped = torch.ones(slots, dtype=torch.bool, device=dev)
+        self.active = torch.zeros(slots, dtype=torch.long, device=dev)  # 1 = holds a request
+        self.n_dev = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens in self.out[s]
+        # host mirrors: no device read needed to know lengths
+        self.key: list = [None] * slots
+        self.n_out = [0] * slots  # tokens in self.out[s]
+        self.host_pos = [0] * slots
+        self.waiting: deque = deque()
+        self.steps = 0
+
+    def add(self, key, prompt_ids: list[int], front: bool = False):
+        """Queue a request (front=True: ahead of the others, e.g. a conversation's next turn)."""
+        if not 0 < len(prompt_ids) <= self.max_prompt:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens (1..{self.max_prompt} allowed)")
+        (self.waiting.appendleft if front else self.waiting.append)((key, list(prompt_ids)))
+
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(k is not None for k in self.key)
+
+    # ---- the model: FastTarget's modules, with a KV cache -------------------------------------
+    def _qkv(self, attn, x_BTH, cos, sin):
+        B, T, _ = x_BTH.shape
+        D = attn.head_dim
+        q, k, v = (p(x_BTH).view(B, T, -1, D) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _logits(self, h_NH):
+        return self.t.lm_head(self.t.model.norm(h_NH)).float()
+
+    @torch.no_grad()
+    def _prefill(self, slots: list[int], prompts: list[list[int]]):
+        """Right-padded prompts [n, P] into their slots' caches; samples each first token."""
+        n, P = len(prompts), max(map(len, prompts))
+        ids = torch.zeros(n, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        ids, sl = ids.to(self.dev), torch.tensor(slots, device=self.dev)
+        lens = torch.tensor([len(p) for p in prompts], device=self.dev)
+        h = self.t.model.embed_tokens(ids)
+        cos, sin = self.t.rope(torch.arange(P, device=self.dev).expand(n, P), h.dtype)
+        for i, layer in enumerate(self.t.model.layers):
+            a = layer.self_attn
+            q, k, v = self._qkv(a, layer.input_layernorm(h), cos, sin)
+            self.k[i][sl, :, :P], self.v[i][sl, :, :P] = k, v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            h = h + a.o_proj(o.transpose(1, 2).reshape(n, P, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        last = h[torch.arange(n, device=self.dev), lens - 1]  # [n, H]
+        tok = sample(self._logits(last), self.sampling, self.gen)
+        self.tok[sl], self.pos[sl], self.out[sl, 0] = tok, lens, tok
+        self.stopped[sl] = torch.isin(tok, self.stop)
+        self.active[sl], self.n_dev[sl] = 1, 1
+        for s, p in zip(slots, prompts):
+            self.n_out[s], self.host_pos[s] = 1, len(p)
+
+    @torch.no_grad()
+    def _decode(self):
+        """One token for every slot (idle ones too: their results are never read)."""
+        S, L = self.S, min(self.L, (max(self.host_pos) // 128 + 1) * 128)  # cache prefix in use (host-known)
+        h = self.t.model.embed_tokens(self.tok[:, None])  # [S, 1, H]
+        cos, sin = self.t.rope(self.pos[:, None], h.dtype)
+        rows = torch.arange(S, device=self.dev)
+        visible = torch.arange(L, device=self.dev)[None] <= self.pos[:, None]  # [S, L]
+        for i, layer in enumerate(self.t.model.layers):
+            a = layer.self_attn
+            q, k, v = self._qkv(a, layer.input_layernorm(h), cos, sin)  # q [S, Hq, 1, D]; k, v [S, Hkv, 1, D]
+            self.k[i][rows, :, self.pos], self.v[i][rows, :, self.pos] = k[:, :, 0], v[:, :, 0]
+            K, V = self.k[i][:, :, :L], self.v[i][:, :, :L]  # [S, Hkv, L, D]
+            Hkv, D = K.shape[1], K.shape[3]
+            qg = q.view(S, Hkv, -1, D)  # [S, Hkv, G, D]: query heads grouped by their KV head
+            att = (qg @ K.transpose(-1, -2)).float() * D**-0.5  # [S, Hkv, G, L]
+            att = att.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+            o = (att.to(V.dtype) @ V).reshape(S, 1, -1)  # heads in q's order: kv head major
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        tok = sample(self._logits(h[:, 0]), self.sampling, self.gen)
+        self.tok = tok
+        self.out[rows, self.n_dev.clamp(max=self.out.shape[1] - 1)] = tok
+        self.stopped |= torch.isin(tok, self.stop)
+        self.pos += self.active  # idle slots stay at 0 (their cache row is never read)
+        self.n_dev += self.active
+        for s in range(S):
+            if self.key[s] is not None:
+                self.n_out[s] += 1
+                self.host_pos[s] += 1
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def _fill(self):
+        free = [s for s in range(self.S) if self.key[s] is None]
+        take = [self.waiting.popleft() for _ in range(min(len(free), len(self.waiting)))]
+        take.sort(key=lambda r: len(r[1]))  # similar lengths share a prefill batch (less padding)
+        i = 0
+        while i < len(take):
+            j = i + 1
+            while j < len(take) and (j + 1 - i) * len(take[j][1]) <= self.prefill_tokens:
+                j += 1
+            batch, slots = take[i:j], free[i:j]
+            for s, (key, _) in zip(slots, batch):
+                self.key[s] = key
+            self._prefill(slots, [p for _, p in batch])
+            i = j
+
+    def _harvest(self) -> list:
+        stopped = self.stopped.tolist()  # the one device read per sync_every steps
+        done = [s for s in range(self.S) if self.key[s] is not None and (stopped[s] or self.n_out[s] >= self.max_new)]
+        if not done:
+            return []
+        rows = self.out[torch.tensor(done, device=self.dev)].tolist()
+        stop, res = set(self.stop.tolist()), []
+        for s, row in zip(done, rows):
+            row = row[: min(self.n_out[s], self.max_new)]
+            cut = next((j for j, t in enumerate(row) if t in stop), None)
+            res.append((self.key[s], row[:cut] if cut is not None else row, cut is None))
+            self.key[s], self.n_out[s], self.host_pos[s] = None, 0, 0
+        d = torch.tensor(done, device=self.dev)
+        self.stopped[d], self.active[d], self.pos[d], self.n_dev[d] = True, 0, 0, 0
+        return res
+
+    def step(self) -> list:
+        """Decode until at least one request finishes; returns the finished ones."""
+        while self.busy():
+            self._fill()
+            for _ in range(self.sync_every):
+                self._decode()
+                self.steps += 1
+            res = self._harvest()
+            if res:
+                return res
+        return []
