@@ -16,6 +16,13 @@ Why this shape:
 - Reads validate: safetensors refuses a truncated file (its header must cover the file), and
   the shard's schema copy, tensor names, dtypes, row shapes and row counts are checked against
   store.json. Any mismatch is a StoreError naming the shard file.
+- Bytes damaged in place (a bad disk, a stray write) keep the shape of a valid shard, so every
+  shard also carries a sha256 of each tensor's bytes (metadata key "nanospec_sha256", computed
+  at put time). A tensor is checked the first time this FeatureStore reads it from a given file
+  (per file identity: device, inode, size, mtime), so the cost is one hashing pass over the
+  bytes a run reads (~1 GB/s), not one per sample; header-only calls (keys, refs, `in`,
+  header) do not hash. A mismatch is a StoreError naming the file and tensor; the file is left
+  as it is.
 - Samples are packed along dim 0 (tokens): field[sum(lengths), *row_shape]. A SampleRef (id,
   key, offset, length) locates one sample and holds no tensors, so a producer/consumer control
   plane moves only refs; consumers read one sample's rows without loading the shard
@@ -29,6 +36,7 @@ import json
 import os
 import re
 import socket
+import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +56,19 @@ _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16
 
 class StoreError(DataError):
     """A store or shard that cannot be used as it is (names the file)."""
+
+
+_DIGESTS = "nanospec_sha256"  # safetensors metadata key: JSON {tensor name: sha256 hex of its bytes}
+_CHUNK = 16 << 20
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a contiguous CPU tensor's bytes, as safetensors writes them (little-endian)."""
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def _file_id(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -111,6 +132,8 @@ class FeatureStore:
             raise StoreError(f"{path} was created with a different schema ({_diff(self.schema, schema)}); "
                              "use another directory or the same settings")
         self.fields = {n: (DTYPES[f["dtype"]], tuple(f["shape"])) for n, f in self.schema["fields"].items()}
+        self._verified: set[tuple] = set()  # (file identity, tensor name) whose checksum matched
+        self._unchecked: set[tuple] = set()  # file identities of shards without checksums
 
     def path(self, key: str) -> Path:
         if not _KEY.match(key):
@@ -127,9 +150,10 @@ class FeatureStore:
                   "samples": [[int(i), int(n)] for i, n in samples] if samples is not None else None}
         self._check(final, header, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
         tmp = self.dir / f".{key}.{self.writer}.tmp"
+        host = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        digests = {k: _tensor_digest(v) for k, v in host.items()}
         try:
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
-                      metadata={"nanospec": json.dumps(header)})
+            save_file(host, tmp, metadata={"nanospec": json.dumps(header), _DIGESTS: json.dumps(digests)})
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -145,7 +169,15 @@ class FeatureStore:
         """All tensors of a shard and its header {meta, samples, writer, schema}."""
         path = self.path(key)
         with self._open(path) as (f, header):
+            self._verify(path, list(f.keys()))
             return {k: f.get_tensor(k) for k in f.keys()}, header
+
+    def verify(self, key: str) -> bool:
+        """Check every tensor of a shard against its checksum (StoreError if one differs).
+        False for a shard written before checksums existed (nothing to check it against)."""
+        path = self.path(key)
+        with self._open(path) as (f, _):
+            return self._verify(path, list(f.keys()))
 
     def delete(self, key: str):
         self.path(key).unlink(missing_ok=True)
@@ -191,8 +223,11 @@ class FeatureStore:
 
     def read(self, ref: SampleRef, names=None) -> dict[str, torch.Tensor]:
         """One sample's rows of the given fields (default: all)."""
-        with self._open(self.path(ref.key)) as (f, _):
-            return {n: f.get_slice(n)[ref.offset : ref.offset + ref.length] for n in (names or self.fields)}
+        path = self.path(ref.key)
+        names = list(names or self.fields)
+        with self._open(path) as (f, _):
+            self._verify(path, names)
+            return {n: f.get_slice(n)[ref.offset : ref.offset + ref.length] for n in names}
 
     # ---- validation ----
     def _check(self, path: Path, header: dict, shapes: dict[str, tuple]):
@@ -211,6 +246,54 @@ class FeatureStore:
             if tuple(got_shape[1:]) != shape or (rows is not None and got_shape[0] != rows):
                 bad(f"tensor '{name}' has shape {list(got_shape)}, expected [{rows if rows is not None else 'N'}, "
                     f"{', '.join(map(str, shape))}]")
+
+    def _verify(self, path: Path, names: list[str]) -> bool:
+        """Hash the bytes of tensors `names` of a shard file (each at most once per file identity)
+        and compare them with the checksums written at put time. A shard without checksums
+        (written before they existed) is still readable, unchecked: returns False."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise KeyError(f"no shard {path}") from None
+        if _file_id(st) in self._unchecked:
+            return False
+        todo = [n for n in names if (_file_id(st), n) not in self._verified]
+        if not todo:
+            return True
+        try:
+            with open(path, "rb") as fh:
+                fid = _file_id(os.fstat(fh.fileno()))
+                (n,) = struct.unpack("<Q", fh.read(8))
+                meta = json.loads(fh.read(n))
+                digests = (meta.get("__metadata__") or {}).get(_DIGESTS)
+                if digests is None:  # written before shards had checksums: still readable, unchecked
+                    self._unchecked.add(fid)
+                    return False
+                digests = json.loads(digests)
+                for name in todo:
+                    if name not in digests or name not in meta:
+                        raise StoreError(f"shard {path}: tensor '{name}' has no checksum (the shard's metadata was altered)")
+                    begin, end = meta[name]["data_offsets"]
+                    fh.seek(8 + n + begin)
+                    h, left = hashlib.sha256(), end - begin
+                    while left > 0:
+                        chunk = fh.read(min(_CHUNK, left))
+                        if not chunk:
+                            break
+                        h.update(chunk)
+                        left -= len(chunk)
+                    if left > 0 or h.hexdigest() != digests[name]:
+                        raise StoreError(
+                            f"shard {path}: the bytes of tensor '{name}' do not match the checksum written with them "
+                            f"(sha256 {h.hexdigest()[:16]}..., expected {digests[name][:16]}...): the file was damaged "
+                            "after it was written. It is left as it is; delete it and rerun `capture.py features` with "
+                            "the same arguments to rewrite it")
+                    self._verified.add((fid, name))
+        except StoreError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise StoreError(f"shard {path} is damaged or not a feature shard ({type(e).__name__}: {e})") from None
+        return True
 
     @contextmanager
     def _open(self, path: Path):

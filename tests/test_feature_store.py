@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards
+from data.feature_store import FEATURE_FIELDS, FeatureStore, StoreError, feature_schema, plan_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,3 +186,67 @@ def test_plan_shards_packs_consecutive_samples(tmp_path):
     assert sum(c for _, _, c in plan) == 6
     with pytest.raises(ValueError, match="bad store key"):
         FeatureStore(tmp_path, schema()).put("../escape", samples([1])[0])
+
+
+def _data_range(path, name):
+    """(first, end) byte offsets of tensor `name`'s data in a safetensors file."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def test_bytes_damaged_in_place_fail_the_checksum(tmp_path):
+    """Overwriting data bytes keeps a well-formed shard (same header, shapes, size): only the
+    per-tensor sha256 written at put time catches it. The error names the file and tensor, the
+    file is left as it is, and the undamaged tensors of the shard still read."""
+    store = FeatureStore(tmp_path, schema(hidden=256))
+    s = samples([30], hidden=256)[0]
+    store.put("k", s, samples=[(0, 30)])
+    path = _shard(store, "k")
+    first, end = _data_range(path, "aux_hidden")
+    assert end - first > 60_000
+    raw = bytearray(path.read_bytes())
+    raw[first + 1000 : first + 1000 + 40_000] = os.urandom(40_000)  # 40 KB of one tensor's bytes
+    path.write_bytes(bytes(raw))
+    store = FeatureStore(tmp_path)
+    ref = store.refs()[0]  # header-only calls do not hash
+    assert "k" in store
+    ids = store.read(ref, ["input_ids", "loss_mask"])  # undamaged tensors read
+    assert torch.equal(ids["input_ids"], s["input_ids"])
+    for op in (lambda: store.read(ref), lambda: store.read(ref, ["aux_hidden"]), lambda: store.get("k"),
+               lambda: store.verify("k")):
+        with pytest.raises(StoreError, match=rf"shard {path}: the bytes of tensor 'aux_hidden' do not match the checksum"):
+            op()
+    assert path.read_bytes() == bytes(raw)  # nothing deleted or rewritten
+    # a rewritten shard (another file under the same key) is checked afresh, and reads again
+    store.put("k", s, samples=[(0, 30)])
+    assert store.verify("k") and torch.equal(store.read(ref)["aux_hidden"], s["aux_hidden"])
+
+
+def test_checksum_is_checked_once_per_file(tmp_path, monkeypatch):
+    import data.feature_store as fs
+
+    store = FeatureStore(tmp_path, schema())
+    store.put("k", samples([9])[0], samples=[(0, 4), (1, 5)])
+    calls = []
+    real = fs.hashlib.sha256
+    monkeypatch.setattr(fs.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
+    refs = store.refs()
+    for _ in range(3):
+        for r in refs.values():
+            store.read(r)
+    assert len(calls) == len(FEATURE_FIELDS)  # one hash per tensor, not per sample read
+
+
+def test_shards_without_checksums_still_read(tmp_path):
+    """Shards written before checksums existed have no 'nanospec_sha256' metadata: readable, unchecked."""
+    from safetensors.torch import save_file
+
+    store = FeatureStore(tmp_path, schema())
+    s = samples([4])[0]
+    header = {"schema": store.schema, "writer": "old", "meta": {}, "samples": [[0, 4]]}
+    save_file(s, _shard(store, "old"), metadata={"nanospec": json.dumps(header)})
+    assert store.verify("old") is False
+    got = store.read(store.refs()[0])
+    assert all(torch.equal(got[k], s[k]) for k in s)
