@@ -188,6 +188,13 @@ def test_plan_shards_packs_consecutive_samples(tmp_path):
         FeatureStore(tmp_path, schema()).put("../escape", samples([1])[0])
 
 
+def _meta(path):
+    """The safetensors metadata of a file, JSON values decoded."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return {k: json.loads(v) for k, v in json.loads(raw[8 : 8 + n]).get("__metadata__", {}).items()}
+
+
 def _data_range(path, name):
     """(first, end) byte offsets of tensor `name`'s data in a safetensors file."""
     raw = Path(path).read_bytes()
@@ -196,14 +203,19 @@ def _data_range(path, name):
     return 8 + n + begin, 8 + n + end
 
 
-def test_bytes_damaged_in_place_fail_the_checksum(tmp_path):
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_bytes_damaged_in_place_fail_the_checksum(tmp_path, monkeypatch, algo):
     """Overwriting data bytes keeps a well-formed shard (same header, shapes, size): only the
-    per-tensor sha256 written at put time catches it. The error names the file and tensor, the
+    per-tensor checksum written at put time catches it. The error names the file and tensor, the
     file is left as it is, and the undamaged tensors of the shard still read."""
+    import data.feature_store as fs
+
+    monkeypatch.setattr(fs, "_ALGO", algo)  # sha256: the fallback without xxhash
     store = FeatureStore(tmp_path, schema(hidden=256))
     s = samples([30], hidden=256)[0]
     store.put("k", s, samples=[(0, 30)])
     path = _shard(store, "k")
+    assert _meta(path)["nanospec_checksums"]["algo"] == algo
     first, end = _data_range(path, "aux_hidden")
     assert end - first > 60_000
     raw = bytearray(path.read_bytes())
@@ -230,8 +242,8 @@ def test_checksum_is_checked_once_per_file(tmp_path, monkeypatch):
     store = FeatureStore(tmp_path, schema())
     store.put("k", samples([9])[0], samples=[(0, 4), (1, 5)])
     calls = []
-    real = fs.hashlib.sha256
-    monkeypatch.setattr(fs.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
+    real = fs._HASHES[fs._ALGO]
+    monkeypatch.setitem(fs._HASHES, fs._ALGO, lambda *a: calls.append(1) or real(*a))
     refs = store.refs()
     for _ in range(3):
         for r in refs.values():
@@ -240,7 +252,7 @@ def test_checksum_is_checked_once_per_file(tmp_path, monkeypatch):
 
 
 def test_shards_without_checksums_still_read(tmp_path):
-    """Shards written before checksums existed have no 'nanospec_sha256' metadata: readable, unchecked."""
+    """Shards written before checksums existed have no 'nanospec_checksums' metadata: readable, unchecked."""
     from safetensors.torch import save_file
 
     store = FeatureStore(tmp_path, schema())
