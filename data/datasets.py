@@ -51,20 +51,44 @@ def _find_bad_json_line(path: Path) -> str:
     return f"{path}: could not be read as JSON lines or a JSON array"
 
 
+# What load_records reads (through `datasets`): name endings -> loader. JSON files hold one JSON
+# array of records or one record per line; .gz ones are decompressed on the fly.
+FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
+SUPPORTED = ", ".join(FORMATS) + " or a directory of such files"
+
+
+def data_format(path: Path) -> str | None:
+    """'json' | 'parquet' for a file load_records reads, else None (by its name's ending)."""
+    name = path.name.lower()
+    return next((kind for end, kind in FORMATS.items() if name.endswith(end)), None)
+
+
 def load_records(source: str, limit: int | None = None) -> list[dict]:
     """'sharegpt', 'sharegpt-regen', or a .json / .jsonl(.gz) / .parquet file (or a directory of them)."""
     if source == SHAREGPT:
         return read_truncated_json_array(asset_path("sharegpt"), limit)
     path = REGEN_FILE if source == SHAREGPT_REGEN else Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt' or a .json/.jsonl/.parquet path)")
-    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl", ".parquet", ".gz")) if path.is_dir() else [path]
-    if not files:
-        raise DataError(f"{path}: no .json/.jsonl/.parquet files inside")
+        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt', 'sharegpt-regen' or a path: {SUPPORTED})")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and data_format(p))
+        if not files:
+            found = sorted(p.name for p in path.iterdir())
+            raise DataError(f"{path}: no data files inside (found {found[:5]}{' ...' if len(found) > 5 else ''}); "
+                            f"supported: {SUPPORTED}")
+    else:
+        files = [path]
+        if data_format(path) is None:
+            ext = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+            raise DataError(f"{path}: the format {ext or '(no extension)'} is not supported; supported: {SUPPORTED} "
+                            "(records with a 'messages' [{role, content}] or 'conversations' [{from, value}] list)")
+    kinds = {data_format(f) for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"{path} mixes JSON and Parquet files; put them in separate directories")
     import datasets
 
     datasets.disable_progress_bars()
-    kind = "parquet" if files[0].suffix == ".parquet" else "json"
+    kind = kinds.pop()
     try:
         ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets wraps JSON errors deep inside arrow; say where the bad line is
@@ -90,6 +114,9 @@ def build_examples(records: list[dict], tokenizer, max_len: int, stats: Counter 
         ex = tokenize_chat(tokenizer, messages, max_len, stats)
         if ex is not None:
             out.append(ex)
+    if records and not out:
+        raise DataError(f"none of the {len(records)} records has anything to train on (max_len {max_len}): "
+                        f"{dict(sorted(stats.items()))}")
     return out
 
 

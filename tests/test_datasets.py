@@ -72,3 +72,51 @@ def test_packaged_regenerated_chats_are_the_default():
     prov = json.loads((REGEN_FILE.parent / "regen.provenance.json").read_text())
     assert len(recs) == prov["counts"]["written"] == 3390
     assert all(r["messages"][-1]["role"] == "assistant" for r in recs)
+
+
+def test_unsupported_format_is_named_not_malformed_json(tmp_path):
+    """A CSV (or any other format) is not reported as 'malformed JSON': the error names the file,
+    its format and the supported ones."""
+    p = tmp_path / "chats.csv"
+    p.write_text("role,content\nuser,hi\nassistant,hello\n")
+    with pytest.raises(DataError, match=r"chats.csv: the format .csv is not supported; supported: .json, .jsonl, "
+                                        r".json.gz, .jsonl.gz, .parquet or a directory") as e:
+        load_records(str(p))
+    assert "malformed" not in str(e.value)
+    with pytest.raises(DataError, match=r"\.tar\.gz is not supported"):
+        (tmp_path / "chats.tar.gz").write_bytes(b"\x1f\x8b")
+        load_records(str(tmp_path / "chats.tar.gz"))
+    # a directory without a supported file says what it found
+    with pytest.raises(DataError, match=r"no data files inside \(found \['chats.csv', 'chats.tar.gz'\]\); supported"):
+        load_records(str(tmp_path))
+
+
+def test_gzipped_jsonl_and_directories_load(tmp_path):
+    import gzip
+
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
+    d = tmp_path / "d"
+    d.mkdir()
+    with gzip.open(d / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (d / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[2:]))
+    (d / "README.md").write_text("ignored")
+    assert load_records(str(d)) == rows
+    datasets.Dataset.from_list(rows).to_parquet(str(d / "c.parquet"))
+    with pytest.raises(DataError, match="mixes JSON and Parquet"):
+        load_records(str(d))
+
+
+def test_no_trainable_record_is_an_error_with_the_counts(smollm2_tokenizer):
+    """Only empty assistant turns / no assistant / nothing within max_len: an error with the counts,
+    not an empty dataset that fails later for another reason."""
+    recs = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
+            {"messages": [{"role": "user", "content": "only a question"}]}]
+    with pytest.raises(DataError, match=r"none of the 2 records has anything to train on .*'empty_assistant_turns': 1, "
+                                        r"'skipped_empty_assistant': 1, 'skipped_no_assistant': 1"):
+        build_examples(recs, smollm2_tokenizer, 64)
+    long = [{"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "fine"}]}]
+    with pytest.raises(DataError, match="skipped_nothing_trainable_within_max_len': 1"):
+        build_examples(long, smollm2_tokenizer, 64)
