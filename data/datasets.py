@@ -39,7 +39,10 @@ def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict
 
 
 def _find_bad_json_line(path: Path) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
+    import gzip
+
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:

@@ -29,6 +29,12 @@ def test_malformed_jsonl_names_the_line(tmp_path):
     p.write_text(good + "\n" + good + "\n{not json\n" + good + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:3: malformed JSON"):
         load_records(str(p))
+    import gzip
+
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
+        f.write(p.read_text())
+    with pytest.raises(DataError, match=r"bad.jsonl.gz:3: malformed JSON"):
+        load_records(str(tmp_path / "bad.jsonl.gz"))
 
 
 def test_jsonl_and_parquet_load_the_same(tmp_path):
