@@ -17,8 +17,59 @@ import torch
 from torch import nn
 
 from data.assets import CACHE_DIR, asset_path
+from data.chat import DataError
 
 DEFAULT_TARGET = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF
+GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (any version)
+
+
+class TargetError(DataError):
+    """A target (directory, GGUF file, tokenizer) that cannot be loaded: names the file and why.
+    A DataError, so the entry scripts print it as `error: ...` and exit non-zero."""
+
+
+def check_config(path: Path) -> dict:
+    """The target directory's config.json, or a TargetError naming it: unreadable, not JSON, not
+    an object, no model_type, or a model_type this transformers does not know (remote code is
+    not loaded, so an auto_map does not help)."""
+    file = Path(path) / "config.json"
+    if not file.exists():
+        raise FileNotFoundError(f"target directory {path} has no config.json: is it a Hugging Face model dir?")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TargetError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+                          "the target directory is damaged or incompletely copied") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TargetError(f"{file} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise TargetError(f"{file} holds a JSON {type(cfg).__name__}, not an object: is it a model config?")
+    model_type = cfg.get("model_type")
+    if not model_type:
+        raise TargetError(f"{file} has no 'model_type': transformers cannot tell which architecture to build "
+                          "(a Hugging Face causal-LM config.json names it, e.g. \"model_type\": \"llama\")")
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return cfg
+    if model_type not in CONFIG_MAPPING_NAMES:
+        import transformers
+
+        raise TargetError(f"{file}: model_type {model_type!r} is not known to transformers {transformers.__version__} "
+                          "(misspelled, or a newer architecture: upgrade transformers)")
+    return cfg
+
+
+def check_gguf(path: Path) -> None:
+    """Fail at once, before a conversion starts, on a file that is not GGUF."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as e:
+        raise TargetError(f"target file {path} cannot be read ({type(e).__name__}: {e})") from None
+    if head != GGUF_MAGIC:
+        raise TargetError(f"target file {path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r} "
+                          "(pass a real .gguf file or a Hugging Face model directory)")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -36,11 +87,11 @@ def resolve_target(spec: str) -> Path:
     if not gguf.exists():
         raise FileNotFoundError(f"target '{spec}' not found: pass an HF model directory, a .gguf file, or 'smollm2'")
     if gguf.is_dir():
-        if not (gguf / "config.json").exists():
-            raise FileNotFoundError(f"target directory {gguf} has no config.json: is it a Hugging Face model dir?")
+        check_config(gguf)
         return gguf
     if gguf.suffix != ".gguf":
-        raise ValueError(f"target file {gguf} is not a .gguf file; pass a Hugging Face model directory instead")
+        raise TargetError(f"target file {gguf} is not a .gguf file; pass a Hugging Face model directory instead")
+    check_gguf(gguf)
     out = CACHE_DIR / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
     if (out / "config.json").exists():
         return out
@@ -56,13 +107,17 @@ def resolve_target(spec: str) -> Path:
         kw["quantization_config"] = GgufConfig(gguf_file=gguf.name, dequantize=True)
     except ImportError:
         pass
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kw)
-    model = model.to(torch.bfloat16)
-    if hasattr(model.config, "quantization_config"):  # the weights are plain tensors now
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kw)
+        model = model.to(torch.bfloat16)
+        if hasattr(model.config, "quantization_config"):  # the weights are plain tensors now
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    except Exception as e:  # a GGUF header but a truncated file, an architecture transformers cannot read, ...
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TargetError(f"cannot convert {gguf} ({type(e).__name__}: {e})") from e
     (tmp / "nanospec_source.json").write_text(json.dumps({"gguf": str(gguf), "converted": time.ctime()}))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -75,7 +130,10 @@ def resolve_target(spec: str) -> Path:
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, json.JSONDecodeError) as e:  # missing or damaged tokenizer files
+        raise TargetError(f"cannot load the tokenizer of {path} ({type(e).__name__}: {e})") from None
 
 
 @dataclass
@@ -103,7 +161,7 @@ class Target(nn.Module):
         from transformers import AutoModelForCausalLM
 
         path = resolve_target(str(spec))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype).to(device)
         return cls(model, aux_layers, path)
 
     def _hook(self, i):
@@ -149,6 +207,15 @@ def fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _from_pretrained(auto, path: Path, **kw):
+    """auto.from_pretrained(path), with the usual failures of a damaged or incomplete target
+    directory (no weight files, a config transformers rejects) as a TargetError naming it."""
+    try:
+        return auto.from_pretrained(path, **kw)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise TargetError(f"cannot load the target {path} ({type(e).__name__}: {e})") from None
+
+
 class TargetHeads(nn.Module):
     """The frozen pieces of a target that training from stored features needs: the input
     embeddings and the lm_head (stored final hidden states are already normed). No forward."""
@@ -168,7 +235,7 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHea
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_target(str(spec))
-    config = AutoConfig.from_pretrained(path)
+    config = _from_pretrained(AutoConfig, path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -190,7 +257,7 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHea
     tensors = [read(m.weight) for m in (embed, head)]
     extra = [x for m in (embed, head) for x in (*m.buffers(), getattr(m, "bias", None)) if x is not None]
     if any(t is None for t in tensors) or extra:
-        full = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        full = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype).to(device)
         return TargetHeads(config, full.get_input_embeddings(), full.get_output_embeddings(), aux_layers, path)
     mods = []
     for m, t in zip((embed, head), tensors):
