@@ -101,6 +101,28 @@ def aux_layers_from_engine(ids: list[int], engine: str) -> list[int]:
 
 
 # ---- training checkpoints ----
+def read_tensors(f: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, or an ExportError naming it (truncated, corrupted, missing) and the intact-looking
+    checkpoints beside it."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(f)
+    except Exception as e:  # SafetensorError (bad header, short buffer), OSError, ...
+        why = str(e).splitlines()[0][:200] if str(e) else ""
+        others = sorted((d.name for d in f.parent.parent.glob("step_*") if d != f.parent and (d / f.name).exists() and d.name[5:].isdigit()),
+                        key=lambda n: -int(n[5:]))
+        hint = f"; other checkpoints beside it: {', '.join(others)} (pass one's directory)" if others and f.parent.name.startswith("step_") else ""
+        raise ExportError(f"{f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''}){hint}") from None
+
+
+def read_json(f: Path) -> dict:
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{f} is damaged or unreadable ({type(e).__name__}: {e})") from None
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """ckpt/step_N, a run dir (-> ckpt/latest) or a ckpt/ dir (-> latest)."""
     p = Path(path)
@@ -179,19 +201,17 @@ def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
 
 def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """A training checkpoint -> (fp32 draft of its strategy, its config.json {strategy, draft, target})."""
-    from safetensors.torch import load_file
-
     d = find_checkpoint(path)
     meta_path = d / "config.json"
     if not meta_path.exists():
         raise ExportError(f"{d}: config.json is missing")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json(meta_path)
     if meta.get("strategy") not in STRATEGIES:
         raise ExportError(f"{d}: unknown strategy {meta.get('strategy')!r} (known: {', '.join(STRATEGIES)})")
     if meta["strategy"] != "eagle3":
         meta["checkpoint"] = str(d)
         try:
-            return load_strategy_draft(meta, load_file(d / "draft.safetensors")), meta
+            return load_strategy_draft(meta, read_tensors(d / "draft.safetensors")), meta
         except (KeyError, TypeError, RuntimeError) as e:
             raise ExportError(f"{d}: cannot load the {meta['strategy']} draft: {e}") from None
     try:
@@ -199,7 +219,7 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     except (KeyError, TypeError) as e:
         raise ExportError(f"{meta_path}: bad draft config: {e}") from None
     meta["checkpoint"] = str(d)
-    return _draft_from(load_file(d / "draft.safetensors"), c, str(d / "draft.safetensors")), meta
+    return _draft_from(read_tensors(d / "draft.safetensors"), c, str(d / "draft.safetensors")), meta
 
 
 # ---- serving dirs ----
@@ -430,23 +450,21 @@ def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
 
 def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn.Module, dict]:
     """A serving dir -> (fp32 draft, its config.json)."""
-    from safetensors.torch import load_file
-
     p = Path(path)
     if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
         raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
-    cfg = json.loads((p / "config.json").read_text())
+    cfg = read_json(p / "config.json")
     if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES.values()]:
         family, c = block_config_from_serving(cfg)
         draft = STRATEGIES[family].draft_cls(c)
         try:
-            draft.load_state_dict({k: v.float() for k, v in load_file(p / "model.safetensors").items()}, strict=True)
+            draft.load_state_dict({k: v.float() for k, v in read_tensors(p / "model.safetensors").items()}, strict=True)
         except RuntimeError as e:
             raise ExportError(f"{p}: {e}") from None
         return draft.eval(), cfg
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ExportError(f"{p}: architectures {cfg.get('architectures')} is not an EAGLE-3 draft")
-    return _draft_from(load_file(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
+    return _draft_from(read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
 
 
 def load_draft(path: str | Path) -> tuple[Eagle3Draft, str | None]:

@@ -19,6 +19,7 @@ serving dir, evaluate.py drafts with it. `train.py --strategy NAME` picks one of
     step        (draft module, its batch, counts, cfg, b, progress) -> (loss,
                 {"loss_sum": [K], "correct": [K]}); acc_k / loss_k in the logs come from these
     serving     export.py's format for it (None: no engine in reach loads it)
+    draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
 
 K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
 slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K whose
@@ -53,6 +54,7 @@ class Strategy:
     config_cls: type
     draft_cls: type
     serving: str | None
+    draft_vocab: bool = False  # the draft proposes from a --draft-vocab-size subset of the target's vocabulary (d2t / t2d)
 
 
 def generator(seed: int, key: int, example: int) -> torch.Generator:
@@ -159,14 +161,14 @@ STRATEGIES: dict[str, Strategy] = {
     "eagle3": Strategy(
         name="eagle3", features=("aux", "final"), objectives=EAGLE3_OBJECTIVES, build=_eagle3_build, host=_eagle3_host,
         make_batch=_eagle3_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
-        step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3",
+        step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3", draft_vocab=True,
     ),
     "peagle": Strategy(
         name="peagle", features=("aux", "final"), objectives=("kl",), build=_peagle_build,
         host=lambda b, cfg, device, key, first=0: peagle_host(b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)),
         make_batch=_peagle_make_batch, counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
         step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
-        config_cls=PEagleConfig, draft_cls=PEagleDraft, serving="peagle",
+        config_cls=PEagleConfig, draft_cls=PEagleDraft, serving="peagle", draft_vocab=True,
     ),
     "dflash": Strategy(
         name="dflash", features=("aux",), objectives=DFLASH_OBJECTIVES, build=_dflash_build, host=_block_host,

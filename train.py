@@ -8,9 +8,12 @@ packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.js
 versions, git commit, hardware, results), metrics.jsonl, tb/ (TensorBoard) and ckpt/step_N/.
 """
 import dataclasses
+import errno
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -90,8 +93,12 @@ class TrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     out: str = "runs/eagle3"
+    """run directory: run.json, metrics.jsonl, tb/, ckpt/step_N/"""
     resume: bool = False
-    """continue from the latest checkpoint in --out"""
+    """continue from the latest checkpoint in --out (an earlier intact one if the latest is damaged)"""
+    overwrite: bool = False
+    """replace the previous run in --out (its run.json, metrics.jsonl, tb/ and ckpt/ are deleted once the new run
+    has loaded its model and data); without it (or --resume) train.py refuses an --out that holds a run"""
     stop_after: int = 0
     """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps"""
     ckpt_every: int = 0
@@ -120,8 +127,133 @@ class TrainConfig:
     """tensor-parallel size of the compiled target: torchrun ranks [d*tp, (d+1)*tp) run it together on one batch
     (dp = world/tp data-parallel groups); the draft stays FSDP2 over all ranks"""
     progress: bool = True
+    """progress bars (tokenizing, evaluation, training) on rank 0"""
+    config: str = ""
+    """YAML file with any of these options (underscored names; deployment ones under `deploy:` or at top level);
+    flags given with it override it (disagg/config.py)"""
     deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
     """disaggregated online training: producer and consumer pools (disagg/)"""
+
+
+class ConfigError(ValueError):
+    """A bad option value or --out; reported as one line, before the model and data are loaded."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read back."""
+
+
+RUN_FILES = ("run.json", "metrics.jsonl", "tb", "ckpt")  # what a run writes into --out (--overwrite deletes them)
+
+
+def validate(cfg: TrainConfig, world: int | None = None):
+    """Option values that cannot work, as one message each, before anything is loaded or written.
+    world: the ranks that split --batch-size (default: torchrun's WORLD_SIZE, or the launcher's consumer ranks)."""
+    if world is None:
+        world = cfg.deploy.consumer_ranks if (cfg.deploy.producers and not cfg.deploy.role) else int(os.environ.get("WORLD_SIZE", 1))
+    at_least = {
+        "batch_size": 1, "eval_batch_size": 1, "log_every": 1, "ttt_length": 1, "draft_vocab_size": 1, "draft_layers": 1,
+        "num_anchors": 1, "moe_top_k": 1, "tp": 1, "max_len": 2, "steps": 0, "num_records": 0, "holdout": 0, "warmup": 0,
+        "stop_after": 0, "ckpt_every": 0, "eval_every": 0, "moe_experts": 0,
+    }
+    for name, low in at_least.items():
+        v = getattr(cfg, name)
+        if v < low:
+            hint = {"steps": " (0 = one epoch)", "num_records": " (0 = all)"}.get(name, "")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
+    floats = {  # name: (lowest, lowest allowed itself, highest)
+        "lr": (0.0, False, math.inf), "min_lr_ratio": (0.0, True, 1.0), "weight_decay": (0.0, True, math.inf),
+        "grad_clip": (0.0, False, math.inf), "moe_aux_coef": (0.0, True, math.inf), "loss_decay": (0.0, True, math.inf),
+    }
+    for name, (low, closed, high) in floats.items():
+        v = getattr(cfg, name)
+        if not math.isfinite(v) or v < low or (v == low and not closed) or v > high:
+            rng = f"{'[' if closed else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number in {rng}, got {v}")
+    if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
+        raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
+    if cfg.moe_mode not in ("flops", "params"):
+        raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
+    if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
+        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
+                          "data-parallel ranks")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+
+
+def _first_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def previous_run(out: Path) -> list[str]:
+    """The files of an earlier run in `out` (empty if none)."""
+    return [n + ("/" if (out / n).is_dir() else "") for n in RUN_FILES if (out / n).exists()]
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoint dirs of `out`, the one ckpt/latest names first, then the others newest first."""
+    ck = out / "ckpt"
+    if not ck.is_dir():
+        return []
+    steps = sorted((d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:]))
+    latest = ck / "latest"
+    try:
+        named = ck / latest.read_text().strip() if latest.exists() else None
+    except OSError:
+        named = None
+    return ([named] if named in steps else []) + [d for d in steps if d != named]
+
+
+def check_out(cfg: TrainConfig, rank: int = 0):
+    """--out before anything is loaded: a directory train.py can write (rank 0 writes), not an earlier run's
+    unless --resume or --overwrite, and with a checkpoint for --resume."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    if rank == 0:
+        base = _first_existing(out)
+        if not base.is_dir():
+            raise ConfigError(f"--out {out}: {base} is a file, not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            why = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "no permission to write there",
+                   errno.EPERM: "no permission to write there", errno.ENOSPC: "no space left on that device"}.get(e.errno, e.strerror or str(e))
+            raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
+    if cfg.resume:
+        if not checkpoints(out):
+            again = "--overwrite instead of --resume to start it again" if previous_run(out) else "no --resume to start a run there"
+            raise ConfigError(f"--resume: no checkpoint in {out / 'ckpt'} (pass {again})")
+    elif not cfg.overwrite and (old := previous_run(out)):
+        ck = checkpoints(out)
+        raise ConfigError(f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
+                          "pass --resume to continue it, --overwrite to replace it, or another --out")
+
+
+def clear_previous_run(out: Path) -> list[str]:
+    """--overwrite: delete the earlier run's files (nothing else in --out)."""
+    old = previous_run(out)
+    for n in RUN_FILES:
+        p = out / n
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    return old
+
+
+def target_vocab_size(target_dir: Path) -> int | None:
+    try:
+        c = json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
 
 
 def init_distributed(device_kind: str):
@@ -151,6 +283,7 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        validate(cfg)
         if cfg.strategy not in STRATEGIES:
             raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
         self.strategy = STRATEGIES[cfg.strategy]
@@ -199,6 +332,10 @@ class Trainer:
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
+        V = target_vocab_size(target_dir)
+        if self.strategy.draft_vocab and V and cfg.draft_vocab_size > V:
+            raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
+                              f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's")
         self.store = None
         if cfg.features:
             self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
@@ -229,6 +366,14 @@ class Trainer:
         if self.rank == 0:
             print(*a, flush=True)
 
+    def bar(self, it, desc: str, total: int | None = None):
+        """`it` with a progress bar on rank 0 (--progress), for the minutes before training's own bar."""
+        if not (self.cfg.progress and self.rank == 0):
+            return it
+        from tqdm import tqdm
+
+        return tqdm(it, desc=desc, total=total, dynamic_ncols=True, leave=False)
+
     def _load_data(self):
         cfg, stats = self.cfg, Counter()
         if self.store is not None:  # tokenized at capture time, exactly as below
@@ -236,11 +381,17 @@ class Trainer:
             stats.update(self.store.schema["data"]["stats"])
         else:
             records = load_records(cfg.data, cfg.num_records or None)
-            examples, n_records = build_examples(records, self.tokenizer, cfg.max_len, stats), len(records)
-        self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
+            examples, n_records = build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats), len(records)
+        try:
+            self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
+            self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
+        except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
+            counts = json.dumps(dict(stats, records=n_records))
+            raise DataError(f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
+                            "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
+                            "within --max-len; see README 'Training your own draft')") from None
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
-        self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
         self.total_steps = cfg.steps or self.batches.per_epoch
 
     def _build_draft(self):
@@ -323,7 +474,7 @@ class Trainer:
         # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
         # past the end reruns its first batch with weight 0
         n_iter = math.ceil(len(self.eval_set) / (bs * self.dp_size))
-        for j in range(n_iter):
+        for j in self.bar(range(n_iter), "eval"):
             i = (j * self.dp_size + self.dp_rank) * bs
             w = float(i < len(self.eval_set))
             _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j)
@@ -351,35 +502,79 @@ class Trainer:
         else:
             rngs = [rng]
         if self.rank == 0:
-            d = self.out / "ckpt" / f"step_{step}"
-            tmp = d.with_name(d.name + ".tmp")
-            tmp.mkdir(parents=True, exist_ok=True)
-            from safetensors.torch import save_file
+            self._write_checkpoint(step, model_sd, optim_sd, rngs)
+        self.barrier()
 
+    def _write_checkpoint(self, step: int, model_sd: dict, optim_sd: dict, rngs: list):
+        """ckpt/step_N.tmp, renamed to step_N when complete, then ckpt/latest (replaced atomically). A failed
+        write (disk full, ...) removes the partial directory and leaves the earlier checkpoints as they were."""
+        from safetensors.torch import save_file
+
+        ck = self.out / "ckpt"
+        d = ck / f"step_{step}"
+        tmp = d.with_name(d.name + ".tmp")
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in model_sd.items()}, tmp / "draft.safetensors")
             (tmp / "config.json").write_text(json.dumps({"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}, indent=1))
             torch.save({"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}, tmp / "train_state.pt")
             if d.exists():
-                import shutil
-
                 shutil.rmtree(d)
             tmp.rename(d)  # a checkpoint directory is complete or absent
-            (self.out / "ckpt" / "latest").write_text(d.name)
-        self.barrier()
+            latest_tmp = ck / "latest.tmp"
+            latest_tmp.write_text(d.name)
+            os.replace(latest_tmp, ck / "latest")
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
+            shutil.rmtree(tmp, ignore_errors=True)
+            (ck / "latest.tmp").unlink(missing_ok=True)
+            why = "no space left on the device" if getattr(e, "errno", None) == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            try:
+                free = f"; {shutil.disk_usage(ck).free / 2**20:.0f} MiB free there"
+            except OSError:
+                free = ""
+            kept = [c.name for c in checkpoints(self.out)]
+            raise CheckpointError(f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
+                                  + (f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)" if kept else "no earlier checkpoint")) from None
+
+    def latest_checkpoint(self) -> Path | None:
+        found = checkpoints(self.out)
+        return found[0] if found else None
 
     def load(self) -> int:
+        """Restore the latest checkpoint; if its files are damaged (truncated, corrupted), the newest intact
+        earlier one, saying so."""
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        latest = self.out / "ckpt" / "latest"
-        if not latest.exists():
-            raise SystemExit(f"--resume: no checkpoint in {self.out / 'ckpt'}")
-        d = self.out / "ckpt" / latest.read_text().strip()
-        state = torch.load(d / "train_state.pt", weights_only=False)
-        model_sd = load_file(d / "draft.safetensors")
+        found = checkpoints(self.out)
+        if not found:
+            raise CheckpointError(f"--resume: no checkpoint in {self.out / 'ckpt'}")
+        damaged = []
+        for d in found:
+            try:
+                f = d / "train_state.pt"
+                state = torch.load(f, weights_only=False)
+                if not isinstance(state, dict) or not {"optim", "sched", "step", "rng", "world"} <= state.keys():
+                    raise ValueError("not a train_state (keys missing)")
+                f = d / "draft.safetensors"
+                model_sd = load_file(f)
+            except Exception as e:  # any unreadable file: truncated zip, bad safetensors header, missing file, ...
+                why = str(e).splitlines()[0][:200] if str(e) else ""
+                damaged.append(f"{f} ({type(e).__name__}{': ' + why if why else ''})")
+                self.print(f"[resume] {f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''})")
+                continue
+            break
+        else:
+            raise CheckpointError("--resume: no intact checkpoint in " f"{self.out / 'ckpt'}: " + "; ".join(damaged))
+        if damaged:
+            self.print(f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)")
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_state_dict(self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
-        self.sched.load_state_dict(state["sched"])
+        try:
+            set_state_dict(self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
+            self.sched.load_state_dict(state["sched"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
+                                  f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}") from None
         if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
             rng = state["rng"][self.rank]
             torch.set_rng_state(rng["torch"])
@@ -399,6 +594,8 @@ class Trainer:
     # ---- the loop ----
     def train(self) -> dict:
         cfg = self.cfg
+        if cfg.overwrite and not cfg.resume and self.rank == 0 and (old := clear_previous_run(self.out)):
+            self.print(f"[out] --overwrite: removed the previous run's {', '.join(old)} from {self.out}")
         start = self.load() if cfg.resume else 0
         meta = run_metadata(cfg, world=self.world, device=self.device, extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)})
         self.log.start(meta, resume=cfg.resume)
@@ -429,10 +626,13 @@ class Trainer:
                     or (cfg.eval_every and n % cfg.eval_every == 0) or (cfg.stop_after and n - start >= cfg.stop_after))
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
+                last = self.latest_checkpoint()
                 raise FloatingPointError(
                     f"non-finite loss at step {step}; parameters were not updated"
                     f"{'' if self.device.type == 'cpu' else ' at this step (on GPU the loss is checked at log/eval/checkpoint steps)'}. "
-                    f"Last good checkpoint: {self.out / 'ckpt'} (lower --lr or check the data)"
+                    + (f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)" if last else
+                       f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the way): "
+                       "lower --lr or check the data, then rerun with --overwrite")
                 )
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
@@ -460,7 +660,7 @@ class Trainer:
                     bar.close()
                 prefetch.close()
                 self.save(step + 1)
-                self.print(f"[stop] after step {step + 1}; continue with --resume")
+                self.print(f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume")
                 self.log.finish({"stopped_at": step + 1})
                 return {"stopped_at": step + 1}
         if bar:
@@ -471,6 +671,9 @@ class Trainer:
         self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
         self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
         self.log.finish(results)
+        o = self.out
+        self.print(f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
+                   f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}")
         return results
 
 
@@ -481,11 +684,13 @@ def fmt(m: dict) -> str:
 
 def main(cfg: TrainConfig):
     try:
+        validate(cfg)
+        check_out(cfg, int(os.environ.get("RANK", 0)))
         trainer = Trainer(cfg)
         res = trainer.train()
         if dist.is_initialized():  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
             dist.barrier()
-    except (DataError, FileNotFoundError, FloatingPointError) as e:
+    except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
         if dist.is_initialized():
@@ -493,11 +698,30 @@ def main(cfg: TrainConfig):
     return res
 
 
+def config_path(argv: list[str]) -> str:
+    """The --config file named on the command line (cli() reads it and drops it from the flags)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
 if __name__ == "__main__":
+    import sys
+
     cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
+    cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
         from disagg.roles import main as disagg_main
 
-        disagg_main(cfg)
+        try:
+            if not cfg.deploy.role:  # the launcher: the options and --out before starting the pools (a consumer restarted
+                validate(cfg)       # by hand into its own --out resumes: disagg/roles.py)
+                check_out(cfg)
+            disagg_main(cfg)
+        except (ConfigError, CheckpointError) as e:
+            raise SystemExit(f"error: {e}") from None
     else:
         main(cfg)

@@ -30,7 +30,7 @@ MODES = {"colocated": [], "disagg 1P+1C": ["--producers", "1"], "disagg 2P+1C": 
 
 
 def run(name, extra, out):
-    cmd = [sys.executable, "train.py", *BASE, "--out", str(out), *extra]
+    cmd = [sys.executable, "train.py", *BASE, "--out", str(out), "--overwrite", *extra]  # a mode not in the JSONL yet starts again
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - t0

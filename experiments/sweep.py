@@ -168,7 +168,7 @@ class Sweep:
                "--num-records", str(a.num_records), "--max-len", str(a.max_len), "--batch-size", str(a.batch_size),
                "--steps", str(a.steps), "--lr", str(a.lr), "--holdout", str(a.holdout), "--draft-vocab-size", str(a.draft_vocab_size),
                "--ttt-length", str(a.ttt_length), "--seed", str(seed), "--device", a.device, "--out", str(run), "--no-progress",
-               *shlex.split(a.train_args), *setting_args]
+               "--overwrite", *shlex.split(a.train_args), *setting_args]  # an unfinished run (no eval_end) starts again
         return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
 
     def eval_cmd(self, run: Path) -> list[str]:

@@ -1,5 +1,5 @@
 """train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume,
-bad inputs fail clearly."""
+bad inputs fail clearly (more of them: tests/test_bad_input.py)."""
 import json
 import os
 import subprocess
@@ -110,4 +110,5 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
     p = run_train(tmp_path / "nan", bad, data, 0, ["--steps", "2"], check=False)
     assert p.returncode != 0
     assert "non-finite loss at step 0" in p.stderr + p.stdout and "Traceback" not in p.stderr
-    assert not (tmp_path / "nan" / "ckpt").exists()
+    assert f"No checkpoint was saved before it ({tmp_path / 'nan' / 'ckpt'} has none" in p.stderr  # names none that does not exist
+    assert not (tmp_path / "nan" / "ckpt").exists()  # (a run with a checkpoint: tests/test_bad_input.py)

@@ -1,0 +1,285 @@
+"""train.py / export.py on bad options, bad --out dirs, damaged checkpoints and full disks (issue 17):
+each fails with one message naming the cause, a non-zero exit, no traceback, and nothing of an
+earlier run overwritten or lost."""
+import errno
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_train_e2e import ROOT, run_train, train_rows
+
+FAST = ["--num-records", "16", "--holdout", "2", "--batch-size", "2", "--draft-vocab-size", "512", "--ttt-length", "2"]
+
+
+def failed(p, *messages):
+    text = p.stdout + p.stderr
+    assert p.returncode != 0, text[-3000:]
+    for m in messages:
+        assert m in text, (m, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    return text
+
+
+def cfg_of(target, data, out, **kw):
+    from train import TrainConfig
+
+    base = dict(target=str(target), data=str(data), out=str(out), num_records=16, holdout=2, max_len=64, batch_size=2,
+                draft_vocab_size=512, ttt_length=2, lr=1e-3, warmup=1, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def main_fails(cfg, *messages) -> str:
+    """train.main in this process: the SystemExit message (what the user sees on stderr)."""
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(cfg)
+    msg = str(e.value.code)
+    for m in messages:
+        assert m in msg, (m, msg)
+    return msg
+
+
+def snapshot(out: Path) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and "tb" not in p.parts}
+
+
+# ---------------------------------------------------------------- numeric options, up front
+@pytest.mark.parametrize("extra,message", [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--steps", "-1"], "--steps must be at least 0 (0 = one epoch), got -1"),
+])
+def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, message):
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "out", target, data, 0, [*extra], check=False)
+    failed(p, message)
+    assert not (tmp_path / "out").exists()  # nothing written (today --steps -1 wrote ckpt/step_-1)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"lr": float("nan")}, "--lr must be a finite number in (0, inf), got nan"),
+    ({"lr": -1e-3}, "--lr must be a finite number"),
+    ({"grad_clip": 0.0}, "--grad-clip must be a finite number"),
+    ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be a finite number in [0, 1]"),
+    ({"log_every": 0}, "--log-every must be at least 1"),
+    ({"eval_batch_size": 0}, "--eval-batch-size must be at least 1"),
+    ({"ttt_length": 0}, "--ttt-length must be at least 1"),
+    ({"holdout": -1}, "--holdout must be at least 0"),
+    ({"moe_experts": 2, "moe_top_k": 3}, "--moe-top-k 3 is more than --moe-experts 2"),
+    ({"resume": True, "overwrite": True}, "--resume continues the run in --out and --overwrite replaces it: pass one of them"),
+])
+def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)  # never reached: validated before the target or data load
+    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_must_split_over_ranks(monkeypatch, tiny_run_inputs, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    import train
+
+    with pytest.raises(train.ConfigError, match="--batch-size 6 is the global batch: it must split evenly over the 4"):
+        train.validate(cfg_of(*tiny_run_inputs, tmp_path / "o", batch_size=6))
+
+
+def test_draft_vocab_larger_than_target_vocab(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1", "--draft-vocab-size", "60000"], check=False)
+    failed(p, "--draft-vocab-size 60000 is larger than the target's vocabulary (49152 tokens in")
+    assert not (tmp_path / "out" / "run.json").exists()
+
+
+# ---------------------------------------------------------------- --out
+def test_out_under_a_file(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    f = tmp_path / "afile"
+    f.write_text("x")
+    failed(run_train(f / "run", target, data, 0, ["--steps", "1"], check=False), f"--out {f / 'run'}: {f} is a file, not a directory")
+    failed(run_train(f, target, data, 0, ["--steps", "1"], check=False), f"--out {f} is a file, not a directory")
+    assert f.read_text() == "x"
+
+
+def test_out_read_only_fails_before_loading(tmp_path, tiny_run_inputs, monkeypatch):
+    import tempfile
+
+    import train
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(train, "Trainer", None)  # the model and data are never loaded
+    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "ro"), f"--out {tmp_path / 'ro'}: cannot write the run there: it is on a read-only file system")
+
+
+def test_out_where_writes_are_refused(tmp_path, tiny_run_inputs):
+    """A real mount that refuses new entries (sysfs here); skipped where it does not."""
+    import os
+
+    out = Path("/sys/nanospec_test_out")
+    try:
+        os.mkdir(out)
+    except OSError:
+        pass
+    else:
+        os.rmdir(out)
+        pytest.skip("/sys accepts new directories here")
+    target, data = tiny_run_inputs
+    failed(run_train(out, target, data, 0, ["--steps", "1"], check=False), f"--out {out}: cannot write the run there")
+
+
+# ---------------------------------------------------------------- an earlier run in --out
+def test_rerun_refused_then_overwrite_replaces_it(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    run_train(out, target, data, 0, [*FAST, "--steps", "2", "--ckpt-every", "1"])
+    before = snapshot(out)
+    assert {"run.json", "metrics.jsonl", "ckpt/step_1/draft.safetensors", "ckpt/step_2/draft.safetensors"} <= before.keys()
+    p = run_train(out, target, data, 0, [*FAST, "--steps", "1"], check=False)
+    failed(p, f"--out {out} holds a previous run (run.json, metrics.jsonl, tb/, ckpt/; checkpoint step_2): "
+              "pass --resume to continue it, --overwrite to replace it")
+    assert snapshot(out) == before  # nothing touched
+    # the disaggregated launcher refuses too, before it starts any process
+    failed(run_train(out, target, data, 0, [*FAST, "--steps", "1", "--producers", "1"], check=False), "holds a previous run")
+    assert snapshot(out) == before and not (out / "pipeline").exists()
+
+    (out / "notes.txt").write_text("mine")  # not the run's: kept
+    p = run_train(out, target, data, 0, [*FAST, "--steps", "1", "--overwrite", "--progress"])
+    assert "[out] --overwrite: removed the previous run's run.json, metrics.jsonl, tb/, ckpt/" in p.stdout
+    assert sorted(d.name for d in (out / "ckpt").iterdir()) == ["latest", "step_1"]  # no step_2 of the old run beside it
+    assert [r["step"] for r in train_rows(out)] == [1]  # only the new run's rows
+    assert json.loads((out / "run.json").read_text())["config"]["steps"] == 1
+    assert (out / "notes.txt").read_text() == "mine"
+    # progress for the silent minutes (tokenizing, first evaluation) and where the outputs went
+    assert "tokenize" in p.stderr and "eval" in p.stderr
+    assert f"[out] {out}: checkpoint {out / 'ckpt' / 'step_1'}, metrics {out / 'metrics.jsonl'}" in p.stdout
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+@pytest.fixture
+def two_checkpoints(tmp_path, tiny_run_inputs):
+    """A run stopped after step 2 with checkpoints step_1 and step_2 (latest)."""
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    run_train(out, target, data, 0, [*FAST, "--steps", "3", "--ckpt-every", "1", "--stop-after", "2"])
+    assert (out / "ckpt" / "latest").read_text() == "step_2"
+    return out
+
+
+def truncate(f: Path, keep: float = 0.5):
+    b = f.read_bytes()
+    f.write_bytes(b[: int(len(b) * keep)])
+
+
+@pytest.mark.parametrize("damaged", ["train_state.pt", "draft.safetensors"])
+def test_resume_falls_back_to_intact_checkpoint(two_checkpoints, tiny_run_inputs, damaged):
+    target, data = tiny_run_inputs
+    out = two_checkpoints
+    truncate(out / "ckpt" / "step_2" / damaged)
+    p = run_train(out, target, data, 0, [*FAST, "--steps", "3", "--ckpt-every", "1", "--resume"])
+    assert f"[resume] {out / 'ckpt' / 'step_2' / damaged} is damaged or unreadable" in p.stdout
+    assert f"[resume] falling back to the previous intact checkpoint {out / 'ckpt' / 'step_1'}" in p.stdout
+    assert f"[resume] {out / 'ckpt' / 'step_1'} at step 1" in p.stdout
+    assert (out / "ckpt" / "latest").read_text() == "step_3"
+    load_file(out / "ckpt" / "step_2" / "draft.safetensors")  # retrained and saved again, whole
+
+
+def test_resume_with_no_intact_checkpoint_fails_clearly(two_checkpoints, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    out = two_checkpoints
+    truncate(out / "ckpt" / "step_2" / "train_state.pt")
+    truncate(out / "ckpt" / "step_1" / "draft.safetensors", 0.0)
+    before = snapshot(out)
+    p = run_train(out, target, data, 0, [*FAST, "--steps", "3", "--resume"], check=False)
+    failed(p, f"--resume: no intact checkpoint in {out / 'ckpt'}", str(out / "ckpt" / "step_2" / "train_state.pt"),
+           str(out / "ckpt" / "step_1" / "draft.safetensors"))
+    assert snapshot(out) == before
+
+
+def test_resume_without_checkpoint_fails_up_front(tmp_path, tiny_run_inputs, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "none", resume=True), f"--resume: no checkpoint in {tmp_path / 'none' / 'ckpt'}")
+
+
+def test_export_names_the_damaged_file(two_checkpoints):
+    import export
+
+    out = two_checkpoints
+    f = out / "ckpt" / "step_2" / "draft.safetensors"
+    truncate(f)
+    with pytest.raises(SystemExit) as e:
+        export.main(export.ExportArgs(str(out)))
+    assert f"export failed: {f} is damaged or unreadable" in str(e.value.code) and "step_1" in str(e.value.code)
+    cfg = out / "ckpt" / "step_1" / "config.json"
+    cfg.write_text(cfg.read_text()[:40])
+    with pytest.raises(SystemExit, match=f"export failed: {cfg} is damaged or unreadable"):
+        export.main(export.ExportArgs(str(out / "ckpt" / "step_1")))
+    p = subprocess.run([sys.executable, "export.py", str(out)], cwd=ROOT, capture_output=True, text=True)
+    failed(p, f"{f} is damaged or unreadable")
+
+
+# ---------------------------------------------------------------- disk full while saving
+def test_disk_full_during_checkpoint(tmp_path, tiny_run_inputs, monkeypatch):
+    import train
+
+    out = tmp_path / "run"
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):
+        if "step_2" in str(f):
+            Path(f).write_bytes(b"\0" * 1000)  # a partial file, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    msg = main_fails(cfg_of(*tiny_run_inputs, out, steps=3, ckpt_every=1),
+                     f"error: cannot write checkpoint {out / 'ckpt' / 'step_2'} (no space left on the device;",
+                     "removed the partial step_2.tmp; earlier checkpoints kept: step_1 (continue with --resume)")
+    assert "Traceback" not in msg
+    assert sorted(d.name for d in (out / "ckpt").iterdir()) == ["latest", "step_1"]  # no step_2.tmp left behind
+    assert (out / "ckpt" / "latest").read_text() == "step_1"
+    load_file(out / "ckpt" / "step_1" / "draft.safetensors")
+    torch.load(out / "ckpt" / "step_1" / "train_state.pt", weights_only=False)
+
+
+# ---------------------------------------------------------------- non-finite loss, data, help
+def test_nan_loss_names_an_existing_checkpoint(tmp_path, tiny_run_inputs):
+    from safetensors.torch import save_file
+
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    run_train(out, target, data, 0, [*FAST, "--steps", "3", "--stop-after", "1"])
+    bad = tmp_path / "nan_target"
+    shutil.copytree(target, bad)
+    w = load_file(bad / "model.safetensors")
+    w["model.norm.weight"][:] = float("nan")
+    save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
+    p = run_train(out, bad, data, 0, [*FAST, "--steps", "3", "--resume"], check=False)
+    failed(p, f"non-finite loss at step 1", f"Last good checkpoint: {out / 'ckpt' / 'step_1'} (continue from it with --resume")
+    assert (out / "ckpt" / "step_1" / "draft.safetensors").exists()
+
+
+def test_no_usable_examples_says_why(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "40", "--holdout", "4"], check=False)
+    failed(p, "only 4 usable examples, cannot hold out 4. [data]", "at --max-len 40: {", '"kept": 4', '"records": 16',
+           '"skipped_nothing_trainable_within_max_len": 12')
+    assert not (tmp_path / "out" / "run.json").exists()
+    # (nothing trainable at all is data/datasets.py's own message, with the same counts)
+    failed(run_train(tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "4"], check=False),
+           "none of the 16 records has anything to train on (max_len 4)", "skipped_nothing_trainable_within_max_len")
+
+
+def test_help_shows_config():
+    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0 and "--config" in p.stdout and "--overwrite" in p.stdout
