@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from data.chat import DataError, to_messages
-from data.datasets import SHAREGPT, SHAREGPT_REGEN, build_examples, collate, load_records
+from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, collate, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
 from models.target import DEFAULT_TARGET, Target, fingerprint, load_tokenizer, resolve_target
 
@@ -48,7 +48,7 @@ def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
 class FeaturesConfig:
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2'"""
-    data: str = SHAREGPT_REGEN
+    data: str = DEFAULT_DATA
     """as train.py --data"""
     num_records: int = 1200
     """as train.py --num-records (0 = all)"""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import tyro
 
 from data.chat import DataError
-from data.datasets import SHAREGPT_REGEN, GlobalBatches, build_examples, collate, load_records, split_holdout
+from data.datasets import DEFAULT_DATA, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
@@ -42,8 +42,10 @@ class TrainConfig:
     """draft family to train: eagle3 | peagle | dflash | domino | dspark (strategies.py)"""
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
-    data: str = SHAREGPT_REGEN
-    """'sharegpt-regen' (packaged chats answered by SmolLM2 itself), 'sharegpt' (the original answers), or a ShareGPT/messages-style .json/.jsonl(.gz)/.parquet file or directory"""
+    data: str = DEFAULT_DATA
+    """'sharegpt-greedy' (default: packaged chats answered greedily by SmolLM2 itself, 6,752), 'sharegpt-regen'
+    (3,390 answered by SmolLM2 at temperature 0.8), 'sharegpt' (the original answers), or a ShareGPT/messages-style
+    .json/.jsonl(.gz)/.parquet file or directory"""
     features: str = ""
     """offline: train from a FeatureStore written by `capture.py features` (no target forward; only the
     target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""

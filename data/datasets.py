@@ -14,8 +14,14 @@ SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT a
 # The same prompts with every assistant turn rewritten by SmolLM2-135M-Instruct itself (capture.py
 # regenerate on an H200; settings and counts in its provenance JSON): the default training set,
 # since a draft learns best from text its target would actually produce.
-SHAREGPT_REGEN = "sharegpt-regen"
+SHAREGPT_REGEN = "sharegpt-regen"  # v1: 3,390 chats, sampled at temperature 0.8, HF generate
 REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
+# v2, the default: 6,752 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);
+# data/sharegpt_smollm2_greedy/README.md says why greedy
+SHAREGPT_GREEDY = "sharegpt-greedy"
+GREEDY_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_greedy" / "regen.jsonl.gz"
+PACKAGED = {SHAREGPT_GREEDY: GREEDY_FILE, SHAREGPT_REGEN: REGEN_FILE}
+DEFAULT_DATA = SHAREGPT_GREEDY
 
 
 def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict]:
@@ -67,12 +73,13 @@ def data_format(path: Path) -> str | None:
 
 
 def load_records(source: str, limit: int | None = None) -> list[dict]:
-    """'sharegpt', 'sharegpt-regen', or a .json / .jsonl(.gz) / .parquet file (or a directory of them)."""
+    """'sharegpt', 'sharegpt-greedy', 'sharegpt-regen', or a .json / .jsonl(.gz) / .parquet file (or a
+    directory of them)."""
     if source == SHAREGPT:
         return read_truncated_json_array(asset_path("sharegpt"), limit)
-    path = REGEN_FILE if source == SHAREGPT_REGEN else Path(source)
+    path = PACKAGED.get(source) or Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt', 'sharegpt-regen' or a path: {SUPPORTED})")
+        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt', {', '.join(map(repr, PACKAGED))} or a path: {SUPPORTED})")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and data_format(p))
         if not files:

@@ -35,9 +35,9 @@ case $PHASE in
     cp $W/regen_out/regen.jsonl.gz $OUT/ && parts $OUT/regen.jsonl.gz
     tail -3 $OUT/regen_run.log ;;
   train)
-    D=$W/regen/regen.jsonl
+    D=${DATA:-$W/regen/regen.jsonl}
     [[ -f $D ]] || { echo "no regenerated data at $D: run the regen phase first (same warm machine)"; exit 1; }
-    R=$W/run
+    R=${RUN:-$W/run}
     timeout $(($(left) - 40)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
       --max-len ${MAX_LEN:-1024} --pad-to-max-len --compile --batch-size ${BATCH:-32} --steps ${STEPS:-2000} \
       --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R ${TRAIN_ARGS:-} \

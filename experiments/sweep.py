@@ -44,7 +44,7 @@ COLUMNS = [
 class SweepArgs:
     target: str = "smollm2"
     """target: HF dir, .gguf file, or 'smollm2' (on the H200: /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf)"""
-    data: str = "sharegpt-regen"
+    data: str = "sharegpt-regen"  # the sweeps' committed rows were trained on v1
     """training data of every setting (data_regen.py sets its own per setting)"""
     seeds: tuple[int, ...] = (0, 1)
     only: tuple[str, ...] = ()

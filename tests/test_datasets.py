@@ -67,16 +67,17 @@ def test_global_batches_deterministic_and_rank_split():
     assert one[6] != one[0]  # next epoch reshuffles
 
 
-def test_packaged_regenerated_chats_are_the_default():
+@pytest.mark.parametrize("name,n", [("sharegpt-greedy", 6752), ("sharegpt-regen", 3390)])
+def test_packaged_regenerated_chats(name, n):
     import json
 
-    from data.datasets import REGEN_FILE, SHAREGPT_REGEN
+    from data.datasets import DEFAULT_DATA, PACKAGED
     from train import TrainConfig
 
-    assert TrainConfig().data == SHAREGPT_REGEN
-    recs = load_records(SHAREGPT_REGEN)
-    prov = json.loads((REGEN_FILE.parent / "regen.provenance.json").read_text())
-    assert len(recs) == prov["counts"]["written"] == 3390
+    assert TrainConfig().data == DEFAULT_DATA == "sharegpt-greedy"
+    recs = load_records(name)
+    prov = json.loads((PACKAGED[name].parent / "regen.provenance.json").read_text())
+    assert len(recs) == prov["counts"]["written"] == n == len({r["id"] for r in recs})
     assert all(r["messages"][-1]["role"] == "assistant" for r in recs)
 
 
@@ -126,3 +127,16 @@ def test_no_trainable_record_is_an_error_with_the_counts(smollm2_tokenizer):
     long = [{"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "fine"}]}]
     with pytest.raises(DataError, match="skipped_nothing_trainable_within_max_len': 1"):
         build_examples(long, smollm2_tokenizer, 64)
+
+
+def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
+    """τ is measured on MT-Bench, HumanEval and GSM8K: none of their prompts (first 80 characters,
+    whitespace and case normalised) may occur in a user turn of the regenerated training sets."""
+    from evaluate import load_prompts
+
+    norm = lambda t: " ".join(t.split()).lower()
+    for name in ("sharegpt-greedy", "sharegpt-regen"):
+        blob = "\n".join(norm(m["content"]) for r in load_records(name) for m in r["messages"] if m["role"] == "user")
+        for ds in ("mtbench", "humaneval", "gsm8k"):
+            keys = [norm(t)[:80] for turns in load_prompts(ds, 0) for t in turns]
+            assert len(keys) > 80 and not [k for k in keys if k in blob], (name, ds)
