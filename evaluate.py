@@ -228,7 +228,8 @@ def load_resumed(path: Path, key: dict) -> dict:
 def main(a: EvalArgs) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from export import ExportError, load_draft
+    from data.chat import DataError
+    from export import ExportError, load_draft, target_mismatch
     from models.target import load_tokenizer, resolve_target
     from runlog import git_commit, hardware, versions
 
@@ -239,13 +240,16 @@ def main(a: EvalArgs) -> dict:
         draft, recorded = load_draft(a.draft)
     except (ExportError, FileNotFoundError) as e:
         raise SystemExit(f"cannot load the draft: {e}") from None
-    target_dir = resolve_target(a.target or recorded or "smollm2")
+    try:
+        target_dir = resolve_target(a.target or recorded.get("target") or "smollm2")
+    except (DataError, FileNotFoundError) as e:  # TargetError is a DataError: a broken target dir or file
+        raise SystemExit(f"cannot load the target: {e}") from None
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {a.device}: no CUDA device here")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval().to(a.device)
     tok = load_tokenizer(target_dir)
-    if model.config.vocab_size != draft.config.vocab_size:
-        raise SystemExit(f"draft vocab {draft.config.vocab_size} != target vocab {model.config.vocab_size}: wrong --target?")
+    if why := target_mismatch(draft.config, model.config.to_dict(), tok, recorded):
+        raise SystemExit(f"draft {a.draft} does not fit target {target_dir}: {'; '.join(why)} (wrong --target?)")
     draft.to(device=a.device, dtype=dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)

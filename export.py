@@ -61,6 +61,7 @@ This file alone knows the engines' conventions. Aux layer ids, checked in the en
   vLLM's loader skips t2d, renames d2t to draft_id_to_target_id and leaves that table at zero
   (silently wrong drafts) when d2t is missing: hence the loud checks here.
 """
+import hashlib
 import json
 import shutil
 import time
@@ -265,16 +266,37 @@ def serving_config(c: Eagle3Config, target_config: dict, engine: str, dtype: tor
     return cfg
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """A short fingerprint of a tokenizer's vocabulary (token -> id): two tokenizers with the same
+    vocabulary size but other ids would make a draft propose nonsense without any error."""
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()[:16]
+
+
+def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -> list[str]:
+    """Why draft config `c` cannot run on the target whose config.json is `tc` ([] = it can):
+    hidden size, vocabulary, aux layers, and (when the export recorded one) the tokenizer."""
+    tc = tc.get("text_config", tc)
+    why = []
+    if getattr(c, "target_hidden_size", None) not in (None, tc.get("hidden_size")):
+        why.append(f"hidden size: the draft reads {c.target_hidden_size}-wide target features, the target's are {tc.get('hidden_size')}")
+    if c.vocab_size != tc.get("vocab_size"):
+        why.append(f"vocabulary: the draft maps to {c.vocab_size} target tokens, the target has {tc.get('vocab_size')}")
+    L = tc.get("num_hidden_layers")
+    if L is not None and any(not 0 <= i < L for i in getattr(c, "aux_layers", [])):
+        why.append(f"aux layers: the draft reads layers {list(c.aux_layers)}, the target has {L} (0..{L - 1})")
+    want = (recorded or {}).get("tokenizer")
+    if tokenizer is not None and want and tokenizer_digest(tokenizer) != want:
+        why.append(f"tokenizer: the draft was exported for tokenizer {want}, this target's is {tokenizer_digest(tokenizer)}")
+    return why
+
+
 def _target_config(target_dir: str | Path | None, c: Eagle3Config) -> dict:
     if target_dir and (Path(target_dir) / "config.json").exists():
         tc = json.loads((Path(target_dir) / "config.json").read_text())
-        tc = tc.get("text_config", tc)
-        if tc.get("hidden_size") != c.target_hidden_size or tc.get("vocab_size") != c.vocab_size:
-            raise ExportError(
-                f"target {target_dir} (hidden {tc.get('hidden_size')}, vocab {tc.get('vocab_size')}) does not match the "
-                f"draft (target_hidden_size {c.target_hidden_size}, vocab_size {c.vocab_size})"
-            )
-        return tc
+        if why := target_mismatch(c, tc):
+            raise ExportError(f"target {target_dir} does not match the draft: {'; '.join(why)}")
+        return tc.get("text_config", tc)
     return {}
 
 
@@ -295,6 +317,14 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
     if family is None:
         raise ExportError(f"strategy {meta['strategy']!r}: no serving engine here loads it (README, 'Draft families')")
     prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
+    if tc:  # the tokenizer the draft was trained with, so a target with another one is refused at load
+        from data.chat import DataError
+        from models.target import load_tokenizer
+
+        try:
+            prov["tokenizer"] = tokenizer_digest(load_tokenizer(Path(target_dir)))
+        except DataError:  # a target dir without tokenizer files (tests' random targets): nothing to record
+            pass
     if family in BLOCK_FAMILIES:
         if engine != "vllm" or with_embeddings:
             raise ExportError(f"{family}: only the vLLM format is written (no embeddings: vLLM shares the target's)")
@@ -467,15 +497,15 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
     return _draft_from(read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
 
 
-def load_draft(path: str | Path) -> tuple[Eagle3Draft, str | None]:
-    """Any draft dir (training checkpoint, run dir or serving dir) -> (fp32 draft, target dir
-    recorded with it, or None)."""
+def load_draft(path: str | Path) -> tuple[Eagle3Draft, dict]:
+    """Any draft dir (training checkpoint, run dir or serving dir) -> (fp32 draft, what was
+    recorded with it: "target" dir (or None), and for exports "tokenizer", see target_mismatch)."""
     p = Path(path)
     if (p / "model.safetensors").exists():
         draft, cfg = load_exported(p)
-        return draft, cfg.get("nanospec_export", {}).get("target")
+        return draft, cfg.get("nanospec_export", {})
     draft, meta = load_checkpoint(p)
-    return draft, meta.get("target")
+    return draft, meta
 
 
 @dataclass

@@ -16,7 +16,10 @@ served by a real engine with near-perfect acceptance and the target's own greedy
             the family's speculative method and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
             require τ_vllm - 1 >= --min-accept * K and served tokens == the greedy reference.
 Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>`.
-With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint.
+With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint. --ckpt may also be
+a serving dir (e.g. the shipped drafts/smollm2-135m-eagle3): it is served as it is, after a check that
+it fits the target (hidden size, vocabulary, aux layers, tokenizer); without --sample, stage 1 picks
+the prompt. A draft not overfit on that prompt needs a --min-accept of its own (e.g. 0.3).
 """
 import json
 import subprocess
@@ -80,7 +83,7 @@ class GateConfig:
     vllm_timeout: int = 900
     # skip stages 1-2
     ckpt: str = ""
-    """check this training checkpoint instead of training one (needs --sample)"""
+    """check this training checkpoint (needs --sample) or serving dir instead of training one"""
     sample: str = ""
     """a sample.json written by an earlier gate run"""
 
@@ -235,16 +238,22 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from export import ExportError, export, load_exported
+    from export import ExportError, export, load_exported, target_mismatch
+    from models.target import load_tokenizer
     from models.speculative import Proposer, TargetRunner, proposer_for, speculative_generate
 
-    serving = out / "export-vllm"
+    shipped = (ckpt / "model.safetensors").exists()  # a serving dir: served as it is
+    serving = ckpt if shipped else out / "export-vllm"
     try:
-        export(ckpt, serving, engine="vllm", dtype=cfg.export_dtype, target=sample["target"])
-        draft, _ = load_exported(serving)
+        if not shipped:
+            export(ckpt, serving, engine="vllm", dtype=cfg.export_dtype, target=sample["target"])
+        draft, served_cfg = load_exported(serving)
     except (ExportError, FileNotFoundError) as e:
         raise GateFailure("export", str(e)) from None
-    log(f"stage 3 exported {ckpt} -> {serving}")
+    target_cfg = json.loads((Path(sample["target"]) / "config.json").read_text())
+    if why := target_mismatch(draft.config, target_cfg, load_tokenizer(Path(sample["target"])), served_cfg.get("nanospec_export")):
+        raise GateFailure("export", f"{serving} does not fit target {sample['target']}: {'; '.join(why)}")
+    log(f"stage 3 {'serving' if shipped else 'exported'} {ckpt}" + ("" if shipped else f" -> {serving}"))
     model = AutoModelForCausalLM.from_pretrained(sample["target"], dtype=torch.float32).eval()
     prompt, n = sample["prompt_ids"], sample["served_tokens"]
     runner = TargetRunner(model, draft.config.aux_layers)
@@ -285,10 +294,15 @@ def main(cfg: GateConfig) -> int:
     report = {"config": asdict(cfg), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
         if cfg.ckpt:
-            if not cfg.sample:
-                raise GateFailure("sample", "--ckpt needs --sample (a sample.json of the run that trained it)")
-            sample = json.loads(Path(cfg.sample).read_text())
             ckpt = Path(cfg.ckpt)
+            if not ckpt.exists():
+                raise GateFailure("sample", f"--ckpt {ckpt}: no such directory")
+            if cfg.sample:
+                sample = json.loads(Path(cfg.sample).read_text())
+            elif (ckpt / "model.safetensors").exists():
+                sample = select_sample(cfg, out)
+            else:
+                raise GateFailure("sample", "--ckpt needs --sample (a sample.json of the run that trained it)")
         else:
             sample = select_sample(cfg, out)
             ckpt, report["overfit"] = overfit(cfg, out, sample)

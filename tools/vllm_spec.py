@@ -6,7 +6,7 @@ and `main`, which runs inside that venv:
     .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
 
 job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
-           "method": "eagle3" (default) | "dflash" (any vLLM method), "speculative_extra": {more speculative_config},
+           "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method), "speculative_extra": {more speculative_config},
            "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
            "max_model_len": 2048, "batch": true}
 result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draft_tokens",
@@ -103,9 +103,9 @@ def main(job_path: str, result_path: str):
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if job.get("draft"):
-        kw["speculative_config"] = {"method": job.get("method", "eagle3"), "model": job["draft"], "num_speculative_tokens": int(job["k"]),
-                                    **job.get("speculative_extra", {})}
+    if job.get("draft") or job.get("method") == "ngram":  # n-gram lookup needs no draft model
+        kw["speculative_config"] = {"method": job.get("method", "eagle3"), "num_speculative_tokens": int(job["k"]),
+                                    **({"model": job["draft"]} if job.get("draft") else {}), **job.get("speculative_extra", {})}
     llm = LLM(
         model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=int(job.get("max_model_len", 2048)),
         enforce_eager=True, disable_log_stats=False, seed=0, **kw,

@@ -1,0 +1,89 @@
+"""Wall-clock decoding speed in vLLM's CPU build, batch 1, greedy: plain decoding, vLLM's
+draft-free n-gram lookup and an EAGLE-3 draft (default: the shipped drafts/smollm2-135m-eagle3),
+on the same prompts, one engine process each, back to back.
+
+    ./dev python experiments/vllm_speed.py                      # ~10 minutes on a 2-core CPU
+    ./dev python experiments/vllm_speed.py --k 3 5 --num-prompts 6 --out experiments/results/vllm_speed_cpu.jsonl
+
+Prompts: the first --num-prompts of MT-Bench (first turn), HumanEval and GSM8K each, rendered with
+the target's chat template. Each prompt is decoded alone (batch 1) to --max-new-tokens (EOS ends it
+earlier). tokens/s = generated tokens / the engine's generate time (model loading excluded); the
+speed-ups are against plain decoding and n-gram lookup in the same run. Also checks that every
+speculative run's output equals plain greedy decoding token for token.
+"""
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Args:
+    draft: str = "drafts/smollm2-135m-eagle3"
+    target: str = "smollm2"
+    k: tuple[int, ...] = (3,)
+    """draft tokens per step for the EAGLE-3 draft (one run each); n-gram lookup uses the first"""
+    ngram_max: int = 4
+    """vLLM prompt_lookup_max (longest n-gram matched)"""
+    num_prompts: int = 6
+    """per dataset (MT-Bench, HumanEval, GSM8K)"""
+    max_new_tokens: int = 128
+    out: str = ""
+    """append one JSON line per run here"""
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    from evaluate import load_prompts, render
+
+    return [render(tok, [{"role": "user", "content": turns[0]}]) for ds in ("mtbench", "humaneval", "gsm8k")
+            for turns in load_prompts(ds, n)]
+
+
+def main(a: Args) -> list[dict]:
+    from models.target import load_tokenizer, resolve_target
+    from runlog import git_commit, hardware, versions
+    from tools.vllm_spec import run_job
+
+    target = resolve_target(a.target)
+    ps = prompts(load_tokenizer(target), a.num_prompts)
+    runs = [("plain", {"draft": None}), (f"ngram-k{a.k[0]}", {"method": "ngram", "k": a.k[0],
+            "speculative_extra": {"prompt_lookup_max": a.ngram_max, "prompt_lookup_min": 1}})]
+    runs += [(f"eagle3-k{k}", {"draft": a.draft, "k": k}) for k in a.k]
+    rows, ref = [], None
+    common = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(), "hardware": hardware("cpu"),
+              "versions": versions(), "prompts": len(ps), "max_new_tokens": a.max_new_tokens, "draft": a.draft}
+    for name, job in runs:
+        res = run_job({"target": str(target), "prompts": ps, "max_tokens": a.max_new_tokens, "dtype": "float32",
+                       "max_model_len": 4096, "batch": False, "k": 1, **job}, timeout=3600)
+        n = sum(map(len, res["outputs"]))
+        m = res["metrics"]
+        row = {"what": "vllm_speed", "run": name, "generated_tokens": n, "seconds": round(res["seconds"], 2),
+               "tokens_per_s": round(n / res["seconds"], 2), "vllm_version": res["vllm_version"], **common}
+        if m["num_drafts"]:
+            row["tau_proposed_steps"] = round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3)
+        if ref is None:
+            ref = res["outputs"]
+        else:
+            row["same_output_as_plain"] = sum(x == y for x, y in zip(res["outputs"], ref))
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("hardware", "versions")}), flush=True)
+    plain, ngram = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
+    for r in rows:
+        r["speedup_vs_plain"], r["speedup_vs_ngram"] = round(r["tokens_per_s"] / plain, 3), round(r["tokens_per_s"] / ngram, 3)
+    print(f"{'run':<12} {'tokens/s':>9} {'vs plain':>9} {'vs n-gram':>10}")
+    for r in rows:
+        print(f"{r['run']:<12} {r['tokens_per_s']:>9.2f} {r['speedup_vs_plain']:>8.2f}x {r['speedup_vs_ngram']:>9.2f}x")
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
