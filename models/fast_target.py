@@ -17,7 +17,8 @@ What makes it fast (gpt-fast / torchtitan style):
     when shapes repeat (fixed-length packed rows) and kernels are small (MoE routing).
   * attention: full rows (no padding, one document) use SDPA's causal kernel (FlashAttention /
     cuDNN); rows with padding or several packed documents use FlexAttention with the document
-    mask of kernels/masks.py, whose block sparsity skips padding and cross-document blocks.
+    mask of kernels/masks.py, whose block sparsity skips padding and cross-document blocks;
+    compiled on CPU, SDPA with the dense mask instead (see dense_attention_mask for why).
   * MoE experts: (token, expert) pairs sorted by expert, group ends by searchsorted (no host
     sync: bincount would sync, and CUDA graphs could not capture it), one grouped GEMM per
     projection, a deterministic sum over the top-k slots. torch._grouped_mm (F.grouped_mm where
@@ -43,7 +44,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager
+from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
 from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -191,6 +192,36 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+def dense_attention_mask(block_mask) -> torch.Tensor:
+    """The element mask [B, H, Q, KV] (bool; H = 1 for a head-independent mask) of a
+    self-attention BlockMask, evaluated from its mask_mod; a query row that may see no key
+    (padding) sees itself instead, so no softmax row is empty and no NaN appears (its output is
+    garbage, as flex's zeros are: callers ignore padding positions).
+
+    What compiled layers use on CPU instead of flex: in torch 2.13 inductor lowers flex on CPU to
+    its C++ template (cpp_flex_attention_template.py), whose q @ k^T micro-GEMM
+    (CppMicroGemmFP32Vec, transposed B, BLOCK_N 16) takes its "first implementation" for the
+    N tail whenever the tail is a multiple of the vector width and head_dim < 24; that path
+    loads and stores BLOCK_N = 16 columns instead of the tail's N. With AVX2 (8 floats) a kv
+    length = 8 mod 16 (e.g. 24) and head_dim 8 or 16 hits it: it reads k rows past the tail
+    (past the end of the k buffer for the last batch row and head: heap garbage, NaN at times)
+    and writes 8 floats past the q @ k^T tile into the running row maxima of the first 8
+    queries, so rows of the padded batch came out wrong by O(1), or NaN, differently from call
+    to call (the NaN of one row's k then reaches another row through the same over-read; with
+    MoE layers the whole batch went NaN). AVX-512 (16 floats) never takes that path for a tail
+    < 16, hence no failure there; with ATEN_CPU_CAPABILITY=default (no vector ISA) inductor
+    refuses flex on CPU ("torch.compile on current platform is not supported for CPU"). No
+    upstream issue found; the micro-GEMM's transposed-B / N-tail path came with
+    pytorch/pytorch#147068.
+    Eager CPU keeps unfused flex (the reference); CUDA keeps flex (Triton) compiled."""
+    B, H, Q, KV = block_mask.shape  # B, H: 1 where the mask is shared (broadcasts)
+    assert Q == KV, "self-attention masks only"
+    dev = block_mask.kv_num_blocks.device
+    m = mask_grid(block_mask.mask_mod, B, H, Q, KV, device=dev)
+    eye = torch.eye(Q, dtype=torch.bool, device=dev)
+    return m | (~m.any(-1, keepdim=True) & eye)
+
+
 class Attention(nn.Module):
     def __init__(self, c: TargetConfig):
         super().__init__()
@@ -215,8 +246,12 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if block_mask is None:  # whole rows: the fused causal kernel
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif x_BTH.device.type == "cpu" and torch.compiler.is_compiling():
+            # compiled on CPU: SDPA with the dense mask, not inductor's C++ flex template (see
+            # dense_attention_mask: that template reads and writes out of bounds on AVX2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_attention_mask(block_mask), enable_gqa=gqa)
         else:  # padding / packed documents: block-sparse flex (in-graph when the layer is compiled)
-            # inside a compiled layer the plain function is traced into the graph; eager CPU
+            # inside a compiled (CUDA) layer the plain function is traced into the graph; eager CPU
             # runs it unfused (tests); eager CUDA takes the one compiled flex of kernels/masks.py
             raw = torch.compiler.is_compiling() or not x_BTH.is_cuda
             flex = flex_attention_eager if raw else flex_attention_compiled

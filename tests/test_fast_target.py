@@ -2,12 +2,18 @@
 normed) on tiny random Llama (llama3 rope scaling, GQA), Qwen2 (q/k/v biases), Qwen3 (q/k norm)
 and Qwen3-MoE (mixed dense/sparse layers) models: padded batches, packed rows, whole rows,
 the MoE fallback, loading from a safetensors directory, early stop, and compiled layers."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents, rope_inv_freq
 from models.target import Target
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest value (hidden states reach ~15)
 
 
@@ -123,18 +129,49 @@ def test_stops_after_last_aux_layer():
     torch.testing.assert_close(s.aux_hidden, f.aux_hidden, rtol=0, atol=0)
 
 
-def test_compiled_layers_match_eager():
-    """torch.compile of the layer (inductor on CPU): one graph for all layers, same numbers,
-    dense and MoE (whose fp32 experts go through the opaque fallback op under compile)."""
+def check_compiled_matches_eager(kinds, whole_rows=True):
+    """torch.compile of the layers (inductor on CPU) against eager on the valid positions of a
+    padded batch (16 of 24 valid), packed rows (two documents per row, the second row ending in
+    8 padding tokens) and, with whole_rows, whole rows; each compiled call twice (the wrong
+    values of inductor's CPU flex template differed from call to call: see dense_attention_mask)."""
     torch._dynamo.reset()
-    for kind in ("llama", "qwen3_moe"):
+    for kind in kinds:
         hf = hf_model(kind, seed=5)
         fast = FastTarget.from_hf_model(hf, [1, 2, 4])
         ids, mask = padded_batch([24, 16], hf.config.vocab_size, seed=5)
-        ref_pad, ref_full = fast(ids, mask), fast(ids)
+        doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 9 + [1] * 7 + [-1] * 8], dtype=torch.int32)
+        cases = [(dict(attention_mask=mask), [24, 16]), (dict(doc_ids=doc), [24, 16])]
+        cases += [(dict(), [24, 24])] if whole_rows else []
+        refs = [fast(ids, **kw) for kw, _ in cases]
         fast.compile_layers()
-        assert_features_close(fast(ids, mask), ref_pad, [24, 16], tol=dict(rtol=1e-4, atol=1e-5))
-        assert_features_close(fast(ids), ref_full, [24, 24], tol=dict(rtol=1e-4, atol=1e-5))
+        for _ in range(2):
+            for (kw, lengths), ref in zip(cases, refs):
+                assert_features_close(fast(ids, **kw), ref, lengths, tol=dict(rtol=1e-4, atol=1e-5))
+
+
+def test_compiled_layers_match_eager():
+    """One graph for all layers, same numbers, dense and MoE (whose fp32 experts go through the
+    opaque fallback op under compile)."""
+    check_compiled_matches_eager(["llama", "qwen3_moe"])
+
+
+@pytest.mark.parametrize("capability", ["default", "native"])
+def test_compiled_layers_match_eager_per_cpu_capability(capability, tmp_path):
+    """The same check in a fresh process with ATEN_CPU_CAPABILITY=default (inductor then emits
+    scalar C++) and with the machine's own vector ISA (avx2, avx512, ...): compiled CPU layers
+    must not depend on the vector width, as torch 2.13's C++ flex template did (wrong or NaN
+    with AVX2 only). One dense model, padded and packed rows (one graph), to keep it short.
+    A private inductor cache: torch 2.13 reuses a graph cached under another capability
+    (vectorized C++ then fails to build under 'default': 'at::vec' has not been declared)."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    if capability == "default":
+        env["ATEN_CPU_CAPABILITY"] = "default"
+    code = ("import torch, tests.test_fast_target as t; print(torch.backends.cpu.get_cpu_capability(), flush=True); "
+            "t.check_compiled_matches_eager(['llama'], whole_rows=False)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert (r.stdout.split()[0] == "DEFAULT") == (capability == "default"), r.stdout
 
 
 def test_random_init_and_presets():
