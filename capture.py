@@ -401,7 +401,8 @@ def regenerate_slots(gen, tokenizer, convs: list[tuple[str, list[dict]]], cfg: R
     live: dict[str, tuple[list, dict, list]] = {}  # cid -> (slots, state, [turn j])
 
     def advance(cid: str) -> tuple | None:
-        """Queue the conversation's next turn; None if it has none left (finished)."""
+        """Queue the conversation's next turn and return None; with no turn left (or a prompt over
+        max_prompt_len) it is finished: returns conversation_result's (record, dropped)."""
         slots, st, j = live[cid]
         while j[0] < len(slots) and not st["failed"]:
             p = turn_prompt(tokenizer, st, slots[j[0]], j[0], cfg)
