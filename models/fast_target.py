@@ -234,7 +234,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x_BTH, cos, sin, block_mask):
+    def project(self, x_BTH, cos, sin):
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D], rope applied (also the KV-cache decoder's,
+        models/generate.py)."""
         B, T, _ = x_BTH.shape
         q = self.q_proj(x_BTH).view(B, T, -1, self.head_dim)
         k = self.k_proj(x_BTH).view(B, T, -1, self.head_dim)
@@ -242,7 +244,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x_BTH, cos, sin, block_mask):
+        B, T, _ = x_BTH.shape
+        q, k, v = self.project(x_BTH, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if block_mask is None:  # whole rows: the fused causal kernel
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.fast_target import FastTarget, apply_rope
+from models.fast_target import FastTarget
 
 
 @dataclass
@@ -90,15 +90,6 @@ class SlotGenerator:
         return bool(self.waiting) or any(k is not None for k in self.key)
 
     # ---- the model: FastTarget's modules, with a KV cache -------------------------------------
-    def _qkv(self, attn, x_BTH, cos, sin):
-        B, T, _ = x_BTH.shape
-        D = attn.head_dim
-        q, k, v = (p(x_BTH).view(B, T, -1, D) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
     def _logits(self, h_NH):
         return self.t.lm_head(self.t.model.norm(h_NH)).float()
 
@@ -115,7 +106,7 @@ class SlotGenerator:
         cos, sin = self.t.rope(torch.arange(P, device=self.dev).expand(n, P), h.dtype)
         for i, layer in enumerate(self.t.model.layers):
             a = layer.self_attn
-            q, k, v = self._qkv(a, layer.input_layernorm(h), cos, sin)
+            q, k, v = a.project(layer.input_layernorm(h), cos, sin)
             self.k[i][sl, :, :P], self.v[i][sl, :, :P] = k, v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
             h = h + a.o_proj(o.transpose(1, 2).reshape(n, P, -1))
@@ -138,7 +129,7 @@ class SlotGenerator:
         visible = torch.arange(L, device=self.dev)[None] <= self.pos[:, None]  # [S, L]
         for i, layer in enumerate(self.t.model.layers):
             a = layer.self_attn
-            q, k, v = self._qkv(a, layer.input_layernorm(h), cos, sin)  # q [S, Hq, 1, D]; k, v [S, Hkv, 1, D]
+            q, k, v = a.project(layer.input_layernorm(h), cos, sin)  # q [S, Hq, 1, D]; k, v [S, Hkv, 1, D]
             self.k[i][rows, :, self.pos], self.v[i][rows, :, self.pos] = k[:, :, 0], v[:, :, 0]
             K, V = self.k[i][:, :, :L], self.v[i][:, :, :L]  # [S, Hkv, L, D]
             Hkv, D = K.shape[1], K.shape[3]
