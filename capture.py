@@ -585,6 +585,15 @@ def regenerate(cfg: RegenConfig) -> dict:
     def over_size() -> bool:
         return bool(cfg.max_output_mb) and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6
 
+    def record(recs: list[dict], drops: list[dict]):
+        """Finished conversations: appended to the output (and the dropped file) at once."""
+        nonlocal new_tok
+        _append(out, recs)
+        _append(dropped_path, drops)
+        done_records.extend(recs)
+        done_dropped.extend(drops)
+        new_tok += sum(r["new_tokens"] for r in recs)
+
     if engine == "slots":
         from models.generate import Sampling, SlotGenerator
 
@@ -593,12 +602,7 @@ def regenerate(cfg: RegenConfig) -> dict:
         last_print = [time.time()]
 
         def emit(recs, drops):
-            nonlocal new_tok
-            _append(out, recs)
-            _append(dropped_path, drops)
-            done_records.extend(recs)
-            done_dropped.extend(drops)
-            new_tok += sum(r["new_tokens"] for r in recs)
+            record(recs, drops)
             if time.time() - last_print[0] > 30:
                 last_print[0] = time.time()
                 progress(f"step {gen.steps}", len(pending) - (len(done_records) + len(done_dropped) - len(done)))
@@ -627,13 +631,8 @@ def regenerate(cfg: RegenConfig) -> dict:
         if res is None:
             status = "stopped_by_time_limit"  # the unfinished batch is discarded; a rerun redoes it
             break
-        recs, drops = res
-        _append(out, recs)
-        _append(dropped_path, drops)
-        done_records += recs
-        done_dropped += drops
+        record(*res)
         last = time.time() - tb
-        new_tok += sum(r["new_tokens"] for r in recs)
         progress(f"batch {bi + 1}/{len(batches)}", max(0, len(convs) - (bi + 1) * cfg.batch_size))
     el = time.time() - t0
     run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
