@@ -5,13 +5,29 @@
 #   bash .device/run_on_device.sh bash experiments/h200_useful_draft.sh regen   # bench + regenerate (resumes)
 #   bash .device/run_on_device.sh bash experiments/h200_useful_draft.sh train   # train + export the draft
 # .stage/regen/prompts.jsonl.gz comes from `./dev python experiments/regen_sharegpt.py prepare`.
+#
+# On a two-GPU machine (nvidia-h200-x2), the v3 data and the loop-cut comparison (2026-12-01):
+# the repo (31 MB) and a 47 MB half of the model no longer fit one 64 MiB call, so stage the model
+# in quarters (.stage/q0..q3, `split -n 4 -d -a 1` of the .gguf, SHA256 beside q3): three calls
+# `bash .device/run_on_device.sh bash experiments/h200_useful_draft.sh stage` carrying .stage/qI,
+# then, carrying .stage/q3 and .stage/regen (s0/, s1/: the not-yet-regenerated prompts in halves):
+#   ... h200_useful_draft.sh regen2   # both halves at once (one per GPU), then finalize: merged
+#                                     # regen.jsonl.gz + loop-cut deloop.jsonl.gz (data/loops.py)
+#   ... h200_useful_draft.sh train2   # same recipe on each file, one per GPU; export; tau on GPU
 # Everything worth keeping is written to $OUT (files over 15 MB in parts: `cat X.part* > X`).
 set -uo pipefail
 PHASE=${1:?usage: h200_useful_draft.sh regen|train}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/useful  # survives between back-to-back calls
 LIMIT=${LIMIT:-560}  # seconds of this call's work (the call itself may run 600)
-mkdir -p $W/regen
+mkdir -p $W/regen /tmp/stage
+if ls .stage/q*/q? > /dev/null 2>&1; then  # quarters of the model (see above)
+  cp .stage/q*/q? /tmp/stage/ && cp .stage/q3/SHA256 /tmp/stage/ 2> /dev/null
+  if [[ ! -f $T && -f /tmp/stage/q0 && -f /tmp/stage/q1 && -f /tmp/stage/q2 && -f /tmp/stage/q3 ]]; then
+    cat /tmp/stage/q0 /tmp/stage/q1 /tmp/stage/q2 /tmp/stage/q3 > $T && (cd /tmp/stage && sha256sum -c SHA256) || rm -f $T
+  fi
+fi
+[[ $PHASE == stage ]] && { ls /tmp/stage; exit 0; }
 [[ -f $T ]] || { echo "no staged target at $T: make the .stage/a call first"; exit 1; }
 python3 -c "from models.target import resolve_target as r; r('$T')" > /dev/null 2>&1 || { echo "GGUF conversion failed"; exit 1; }
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 15; done) > $OUT/smi_$PHASE.log 2>&1 &
@@ -47,6 +63,35 @@ case $PHASE in
     cp $R/run.json $R/metrics.jsonl $OUT/ 2>/dev/null
     (cd $R && tar czf $OUT/draft_export.tgz export-vllm) && parts $OUT/draft_export.tgz
     grep -h "eval @\|error" $OUT/train.log | tail -12 ;;
+  regen2)  # the two halves of the remaining prompts at once, one per GPU; then merge and cut loops
+    for i in 0 1; do
+      mkdir -p $W/s$i && cp -n .stage/regen/s$i/prompts.jsonl.gz $W/s$i/
+      CUDA_VISIBLE_DEVICES=$i timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/s$i --out-dir $W/out$i \
+        --target $T --time-limit $(($(left) - ${FINALIZE_S:-120})) > $OUT/regen_s$i.log 2>&1 &
+    done
+    wait
+    python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/final \
+      --inputs data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/s0/regen.jsonl $W/s1/regen.jsonl \
+      --dropped data/sharegpt_smollm2_greedy/regen.dropped.jsonl $W/s0/regen.dropped.jsonl $W/s1/regen.dropped.jsonl \
+      > $OUT/finalize.log 2>&1
+    for i in 0 1; do cp $W/out$i/regen.provenance.json $OUT/regen_s$i.provenance.json 2>/dev/null; done
+    cp $W/final/* $OUT/ && for f in $OUT/*.gz; do parts $f; done
+    tail -2 $OUT/regen_s0.log $OUT/regen_s1.log $OUT/finalize.log ;;
+  train2)  # the recipe on the loop-cut data (GPU 0) and on the whole replies (GPU 1), side by side
+    for i in 0 1; do
+      D=$W/final/$([[ $i == 0 ]] && echo deloop || echo regen).jsonl.gz
+      (CUDA_VISIBLE_DEVICES=$i timeout $(($(left) - ${EVAL_S:-150})) python3 train.py --target $T --data $D --num-records 0 \
+         --holdout 256 --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2800} --lr 3e-3 \
+         --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --out $W/run$i ${TRAIN_ARGS:-} > $OUT/train$i.log 2>&1
+       python3 export.py $W/run$i > $OUT/export$i.log 2>&1
+       CUDA_VISIBLE_DEVICES=$i timeout $(($(left) - 10)) python3 evaluate.py $W/run$i/export-vllm --target $T --device cuda \
+         --dtype fp32 -k 3 7 --num-prompts 8 --batch 8 --out $OUT/eval$i.jsonl --data mtbench humaneval gsm8k \
+         experiments/results/useful_draft/unseen_sharegpt.jsonl > $OUT/eval$i.log 2>&1
+       cp $W/run$i/run.json $OUT/run$i.json; cp $W/run$i/metrics.jsonl $OUT/metrics$i.jsonl
+       (cd $W/run$i && tar czf $OUT/draft$i.tgz export-vllm) && parts $OUT/draft$i.tgz) &
+    done
+    wait
+    grep -h "eval @" $OUT/train0.log | tail -3; grep -h "eval @" $OUT/train1.log | tail -3; tail -3 $OUT/eval0.log $OUT/eval1.log ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null

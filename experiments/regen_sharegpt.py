@@ -22,6 +22,7 @@ datasets on the GPU box; `gguf` for the GGUF target.
 """
 import argparse
 import gzip
+import itertools
 import json
 import os
 import shutil
@@ -127,6 +128,78 @@ def bench(state: Path, out_dir: Path, target: str, n: int, settings: dict) -> li
     return rows
 
 
+def finalize(inputs: list[Path], dropped: list[Path], out_dir: Path, target: str) -> dict:
+    """Merge regenerated files (conversation ids must not repeat) into out_dir/regen.jsonl.gz, and
+    write out_dir/deloop.jsonl.gz: the same conversations with each looping reply cut after its
+    loop's first repeat (data/loops.py). Later replies stay: they were written after the whole
+    loop, so they are near-policy rather than exactly the target's answer to the cut context, but
+    train.py recomputes the target's distribution on the context as given, so every soft label
+    stays exact."""
+    from transformers import AutoTokenizer
+
+    from data.loops import loop_cut
+    from models.target import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(target))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seen, stats = set(), dict(conversations=0, replies=0, tokens=0, replies_cut=0, kept_tokens=0)
+    raw, cut = gzip.open(out_dir / "regen.jsonl.gz.tmp", "wt", encoding="utf-8"), gzip.open(out_dir / "deloop.jsonl.gz.tmp", "wt", encoding="utf-8")
+    def records():
+        for path in inputs:
+            with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+                for line in f:
+                    r = json.loads(line)
+                    if r["id"] in seen:
+                        raise SystemExit(f"{path}: conversation {r['id']} appears twice in the inputs")
+                    seen.add(r["id"])
+                    yield r
+
+    def deloop(r: dict, ids: list[list[int]]) -> dict:
+        msgs, kept, replies = [], 0, iter(ids)
+        for m in r["messages"]:
+            if m["role"] != "assistant":
+                msgs.append(m)
+                continue
+            tokens = next(replies)
+            n = loop_cut(tokens)
+            stats["replies"] += 1
+            stats["tokens"] += len(tokens)
+            if n is None:
+                msgs.append(m)
+                kept += len(tokens)
+                continue
+            msgs.append({"role": "assistant", "content": tok.decode(tokens[:n])})
+            kept += n
+            stats["replies_cut"] += 1
+        stats["kept_tokens"] += kept
+        stats["conversations"] += 1
+        return {**r, "messages": msgs, "kept_tokens": kept}
+
+    chunk = []
+    for r in itertools.chain(records(), [None]):
+        if r is not None:
+            chunk.append(r)
+        if len(chunk) == 2048 or (r is None and chunk):  # one batched (multi-threaded) tokenizer call per chunk
+            texts = [m["content"] for c in chunk for m in c["messages"] if m["role"] == "assistant"]
+            flat, at = tok(texts, add_special_tokens=False)["input_ids"], 0
+            for c in chunk:
+                k = sum(m["role"] == "assistant" for m in c["messages"])
+                raw.write(json.dumps(c, ensure_ascii=False) + "\n")
+                cut.write(json.dumps(deloop(c, flat[at : at + k]), ensure_ascii=False) + "\n")
+                at += k
+            chunk = []
+    raw.close()
+    cut.close()
+    for name in ("regen.jsonl.gz", "deloop.jsonl.gz"):
+        os.replace(out_dir / (name + ".tmp"), out_dir / name)
+    with open(out_dir / "regen.dropped.jsonl", "w") as f:
+        for path in (p for p in dropped if p.exists()):  # a run that dropped nothing may write no file
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in open(path) if line.strip())
+    stats["kept_share"] = round(stats["kept_tokens"] / max(stats["tokens"], 1), 4)
+    print(json.dumps({"finalize": stats, "inputs": [str(p) for p in inputs]}), flush=True)
+    return stats
+
+
 def smoke():
     """Prepare 6 conversations, regenerate 3 in a first call and the rest in a second call on a
     'fresh machine' (only the returned files carried over); check nothing is lost or repeated."""
@@ -152,7 +225,9 @@ def smoke():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "run", "bench", "smoke"])
+    ap.add_argument("cmd", choices=["prepare", "run", "bench", "finalize", "smoke"])
+    ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="finalize: regenerated JSONL(.gz) files to merge")
+    ap.add_argument("--dropped", type=Path, nargs="*", default=[], help="finalize: their regen.dropped.jsonl files")
     ap.add_argument("--bench-n", type=int, default=512, help="bench: conversations")
     ap.add_argument("--state", type=Path, default=ROOT / ".stage" / "regen")
     ap.add_argument("--out-dir", type=Path, default=None, help="where the results go (default: --state)")
@@ -164,6 +239,8 @@ def main():
         prepare(args.state, PRESET["num_records"], PRESET["max_turns"])
     elif args.cmd == "run":
         run(args.state, args.out_dir or args.state, args.target, args.time_limit, {**PRESET, "batch_size": args.batch_size})
+    elif args.cmd == "finalize":
+        finalize(args.inputs, args.dropped, args.out_dir or args.state, args.target)
     elif args.cmd == "bench":
         bench(args.state, args.out_dir or args.state, args.target, args.bench_n, PRESET)
     else:
