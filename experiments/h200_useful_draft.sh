@@ -65,18 +65,28 @@ case $PHASE in
     grep -h "eval @\|error" $OUT/train.log | tail -12 ;;
   regen2)  # the two halves of the remaining prompts at once, one per GPU; then merge and cut loops
     for i in 0 1; do
-      mkdir -p $W/s$i && cp -n .stage/regen/s$i/prompts.jsonl.gz $W/s$i/
+      mkdir -p $W/s$i && cp --update=none .stage/regen/s$i/prompts.jsonl.gz $W/s$i/
       CUDA_VISIBLE_DEVICES=$i timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/s$i --out-dir $W/out$i \
         --target $T --time-limit $(($(left) - ${FINALIZE_S:-120})) > $OUT/regen_s$i.log 2>&1 &
     done
     wait
-    python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/final \
-      --inputs data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/s0/regen.jsonl $W/s1/regen.jsonl \
-      --dropped data/sharegpt_smollm2_greedy/regen.dropped.jsonl $W/s0/regen.dropped.jsonl $W/s1/regen.dropped.jsonl \
-      > $OUT/finalize.log 2>&1
-    for i in 0 1; do cp $W/out$i/regen.provenance.json $OUT/regen_s$i.provenance.json 2>/dev/null; done
-    cp $W/final/* $OUT/ && for f in $OUT/*.gz; do parts $f; done
-    tail -2 $OUT/regen_s0.log $OUT/regen_s1.log $OUT/finalize.log ;;
+    for i in 0 1; do  # the generated halves go out first: a later step that runs out of time must not lose them
+      gzip -c $W/s$i/regen.jsonl > $OUT/regen_s$i.jsonl.gz
+      cp $W/s$i/regen.dropped.jsonl $OUT/regen_s$i.dropped.jsonl; cp $W/s$i/regen.provenance.json $OUT/regen_s$i.provenance.json
+    done
+    # finalize one input per process (tokenizing and loop search are single-threaded), then concatenate
+    # (gzip members concatenate into one valid stream); the parts keep the input order
+    ins=(data/sharegpt_smollm2_greedy/regen $W/s0/regen $W/s1/regen)
+    for k in 0 1 2; do
+      src=${ins[$k]}.jsonl; [[ $k == 0 ]] && src=$src.gz
+      python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/f$k --inputs $src \
+        --dropped ${ins[$k]}.dropped.jsonl > $OUT/finalize$k.log 2>&1 &
+    done
+    wait
+    mkdir -p $W/final
+    for n in regen.jsonl.gz deloop.jsonl.gz regen.dropped.jsonl; do cat $W/f0/$n $W/f1/$n $W/f2/$n > $W/final/$n; done
+    cp $W/final/deloop.jsonl.gz $OUT/ && parts $OUT/deloop.jsonl.gz
+    tail -n 2 $OUT/regen_s0.log $OUT/regen_s1.log $OUT/finalize*.log ;;
   train2)  # the recipe on the loop-cut data (GPU 0) and on the whole replies (GPU 1), side by side
     for i in 0 1; do
       D=$W/final/$([[ $i == 0 ]] && echo deloop || echo regen).jsonl.gz
