@@ -64,12 +64,16 @@ case $PHASE in
     (cd $R && tar czf $OUT/draft_export.tgz export-vllm) && parts $OUT/draft_export.tgz
     grep -h "eval @\|error" $OUT/train.log | tail -12 ;;
   regen2)  # the two halves of the remaining prompts at once, one per GPU; then merge and cut loops
+    # `wait` names its jobs: a bare `wait` also waits for the nvidia-smi logger above, i.e. forever
+    # (which cost this phase's first two calls everything they had generated)
+    jobs=()
     for i in 0 1; do
       mkdir -p $W/s$i && cp --update=none .stage/regen/s$i/prompts.jsonl.gz $W/s$i/
       CUDA_VISIBLE_DEVICES=$i timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/s$i --out-dir $W/out$i \
         --target $T --time-limit $(($(left) - ${FINALIZE_S:-120})) > $OUT/regen_s$i.log 2>&1 &
+      jobs+=($!)
     done
-    wait
+    wait "${jobs[@]}"
     for i in 0 1; do  # the generated halves go out first: a later step that runs out of time must not lose them
       gzip -c $W/s$i/regen.jsonl > $OUT/regen_s$i.jsonl.gz
       cp $W/s$i/regen.dropped.jsonl $OUT/regen_s$i.dropped.jsonl; cp $W/s$i/regen.provenance.json $OUT/regen_s$i.provenance.json
@@ -77,17 +81,20 @@ case $PHASE in
     # finalize one input per process (tokenizing and loop search are single-threaded), then concatenate
     # (gzip members concatenate into one valid stream); the parts keep the input order
     ins=(data/sharegpt_smollm2_greedy/regen $W/s0/regen $W/s1/regen)
+    jobs=()
     for k in 0 1 2; do
       src=${ins[$k]}.jsonl; [[ $k == 0 ]] && src=$src.gz
-      python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/f$k --inputs $src \
+      timeout $(left) python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/f$k --inputs $src \
         --dropped ${ins[$k]}.dropped.jsonl > $OUT/finalize$k.log 2>&1 &
+      jobs+=($!)
     done
-    wait
+    wait "${jobs[@]}"
     mkdir -p $W/final
     for n in regen.jsonl.gz deloop.jsonl.gz regen.dropped.jsonl; do cat $W/f0/$n $W/f1/$n $W/f2/$n > $W/final/$n; done
     cp $W/final/deloop.jsonl.gz $OUT/ && parts $OUT/deloop.jsonl.gz
     tail -n 2 $OUT/regen_s0.log $OUT/regen_s1.log $OUT/finalize*.log ;;
   train2)  # the recipe on the loop-cut data (GPU 0) and on the whole replies (GPU 1), side by side
+    jobs=()
     for i in 0 1; do
       D=$W/final/$([[ $i == 0 ]] && echo deloop || echo regen).jsonl.gz
       (CUDA_VISIBLE_DEVICES=$i timeout $(($(left) - ${EVAL_S:-150})) python3 train.py --target $T --data $D --num-records 0 \
@@ -99,8 +106,9 @@ case $PHASE in
          experiments/results/useful_draft/unseen_sharegpt.jsonl > $OUT/eval$i.log 2>&1
        cp $W/run$i/run.json $OUT/run$i.json; cp $W/run$i/metrics.jsonl $OUT/metrics$i.jsonl
        (cd $W/run$i && tar czf $OUT/draft$i.tgz export-vllm) && parts $OUT/draft$i.tgz) &
+      jobs+=($!)
     done
-    wait
+    wait "${jobs[@]}"
     grep -h "eval @" $OUT/train0.log | tail -3; grep -h "eval @" $OUT/train1.log | tail -3; tail -3 $OUT/eval0.log $OUT/eval1.log ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
