@@ -43,7 +43,7 @@ class TrainConfig:
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
     data: str = DEFAULT_DATA
-    """'sharegpt-greedy' (default: packaged chats answered greedily by SmolLM2 itself, 6,752), 'sharegpt-regen'
+    """'sharegpt-greedy' (default: packaged chats answered greedily by SmolLM2 itself, 16,808), 'sharegpt-regen'
     (3,390 answered by SmolLM2 at temperature 0.8), 'sharegpt' (the original answers), or a ShareGPT/messages-style
     .json/.jsonl(.gz)/.parquet file or directory"""
     features: str = ""

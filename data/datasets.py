@@ -16,7 +16,7 @@ SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT a
 # since a draft learns best from text its target would actually produce.
 SHAREGPT_REGEN = "sharegpt-regen"  # v1: 3,390 chats, sampled at temperature 0.8, HF generate
 REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
-# v2, the default: 6,752 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);
+# v3, the default: 16,808 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);
 # data/sharegpt_smollm2_greedy/README.md says why greedy
 SHAREGPT_GREEDY = "sharegpt-greedy"
 GREEDY_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_greedy" / "regen.jsonl.gz"
