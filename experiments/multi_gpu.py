@@ -272,10 +272,12 @@ def parse(rows, batch, seq, warmup) -> dict:
 
 
 def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str], deadline: float, *, batch: int, seq: int,
-              env: dict | None = None, extra: dict | None = None) -> dict:
-    """One train.py run: launch, parse, copy its small files to --out-dir/PHASE/TAG, write its row."""
+              env: dict | None = None, extra: dict | None = None, cmd: list[str] | None = None) -> dict:
+    """One train.py run (torchrun over nproc ranks, or `cmd`): launch, parse, copy its small files to
+    --out-dir/PHASE/TAG, write its row."""
     out = Path(flags[flags.index("--out") + 1])
-    cmd = train_cmd(nproc, flags)
+    shutil.rmtree(out, ignore_errors=True)  # an earlier run's metrics must not pass for this one's (a killed run writes none)
+    cmd = cmd or train_cmd(nproc, flags)
     t0 = time.time()
     rc, wall = runner.run(cmd, runner.out / phase / f"{tag}.log", deadline, env)
     rows, meta = read_run(out)
@@ -289,7 +291,9 @@ def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str]
     peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
     row = {"what": phase, "run": tag, "gpus": nproc, "seq": seq, "batch": batch, "rc": rc, "wall_s": round(wall, 1),
            "timed_out": rc is None, **res, "peak_gib": round(peak / 2**30, 2) if peak else None,
-           "command": "torchrun --standalone --nproc-per-node=%d train.py %s" % (nproc, " ".join(flags)), **(extra or {})}
+           "command": " ".join(["python", *cmd[1:]]), **(extra or {})}
+    if env:
+        row["command"] = " ".join(f"{k}={v}" for k, v in env.items()) + " " + row["command"]
     if runner.gpu is not None:
         row.update(runner.gpu.window(*(window or (t0, time.time()))))
         row["gpu_mem_max_gib_run"] = runner.gpu.window(t0, time.time()).get("gpu_mem_max_gib")
@@ -429,7 +433,8 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
         producer = subprocess.Popen(pcmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**runner.env, "CUDA_VISIBLE_DEVICES": "0"})
     try:  # the consumer is one plain process (no torchrun): rank 0 of 1 on GPU 1
-        crow = consumer_run(runner, flags, deadline, B, d, model)
+        crow = timed_run(runner, "disagg", "consumer", 1, flags, deadline, batch=B, seq=d["seq"], env={"CUDA_VISIBLE_DEVICES": "1"},
+                         cmd=[sys.executable, "train.py", *flags, "--role", "consumer"], extra={"model": model, "ttt": d["ttt"]})
     finally:
         try:
             producer.wait(timeout=30)  # it leaves once the run is done
@@ -451,36 +456,13 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
            "producer_samples_per_s": round(int(prm[1]) / float(prm[3]), 2) if prm else None,
            "consumer_samples_per_s": round(B / crow["step_s"], 2) if crow.get("step_s") else None,
            "pipeline": pipeline, "producer": produced, "producer_rc": producer.returncode,
-           "command": f"CUDA_VISIBLE_DEVICES=0 python train.py ... --role producer & CUDA_VISIBLE_DEVICES=1 python train.py {' '.join(flags)} --role consumer"}
+           "command": f"CUDA_VISIBLE_DEVICES=0 python {' '.join(pcmd[1:])} & {crow['command']}"}
     if colocated is None or not colocated.get("tokens_per_s"):
         cflags = train_flags(args, t["path"], WORK / "runs" / "colocated2", 2 * B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"])
         colocated = timed_run(runner, "disagg", "colocated2", 2, cflags, deadline, batch=2 * B, seq=d["seq"], extra={"model": model, "ttt": d["ttt"]})
     if colocated.get("tokens_per_s") and row["tokens_per_s"]:
         row.update(tokens_per_s_colocated=colocated["tokens_per_s"], disagg_over_colocated=round(row["tokens_per_s"] / colocated["tokens_per_s"], 3))
     runner.write(row)
-
-
-def consumer_run(runner, flags, deadline, B, d, model) -> dict:
-    cmd = [sys.executable, "train.py", *flags, "--role", "consumer"]
-    t0 = time.time()
-    rc, wall = runner.run(cmd, runner.out / "disagg" / "consumer.log", deadline, {"CUDA_VISIBLE_DEVICES": "1"})
-    out = Path(flags[flags.index("--out") + 1])
-    rows, meta = read_run(out)
-    keep = runner.out / "disagg" / "consumer"
-    keep.mkdir(parents=True, exist_ok=True)
-    for f in ("metrics.jsonl", "run.json"):
-        if (out / f).exists():
-            shutil.copy(out / f, keep / f)
-    res = parse(rows, B, d["seq"], runner.args.warmup)
-    window = res.pop("window", None)
-    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
-    row = {"what": "disagg", "run": "consumer", "gpus": 1, "model": model, "seq": d["seq"], "batch": B, "rc": rc, "wall_s": round(wall, 1),
-           "timed_out": rc is None, **res, "peak_gib": round(peak / 2**30, 2) if peak else None, "command": " ".join(cmd[1:])}
-    if runner.gpu is not None:
-        row.update(runner.gpu.window(*(window or (t0, time.time()))))
-    if rc not in (0, None):
-        row["error"] = tail(runner.out / "disagg" / "consumer.log")
-    return runner.write(row)
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -540,8 +522,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("phases", nargs="+", help=f"any of {', '.join(PHASES)}, 'all', or 'stage' (CPU machine: write .stage/tok)")
     ap.add_argument("--out-dir", type=Path, default=None, help="rows, logs and copies of each run's metrics (the device's $OUT)")
-    ap.add_argument("--budget-s", type=float, default=540,
-                    help="stop everything after this many seconds (a device call of 570 s, less the launcher's wheel install and the kill)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop everything after this many seconds (default 540: a device call of 570 s, less the launcher's wheel "
+                         "install and the kill; --cpu-smoke: 1800)")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per timed run")
     ap.add_argument("--warmup", type=int, default=4, help="first steps dropped from the timing (compilation)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per GPU (8B: ~50 GiB per GPU at seq 4096, TTT 7)")
@@ -565,6 +548,8 @@ def main(argv=None):
     phases = [p for p in PHASES if p in phases]
     if args.compile is None:
         args.compile = not args.cpu_smoke
+    if args.budget_s is None:
+        args.budget_s = 1800 if args.cpu_smoke else 540
     if not args.tokenizer.is_dir() and not args.cpu_smoke:
         raise SystemExit(f"no tokenizer at {args.tokenizer}: run `python experiments/multi_gpu.py stage` on the CPU machine "
                          "and carry '.stage/tok'")
@@ -575,8 +560,6 @@ def main(argv=None):
     runner = Runner(args, env)
     runner.env_row = environment(args)
     runner.configs = target_configs(args)
-    if args.cpu_smoke:
-        runner.deadline = time.time() + max(args.budget_s, 1800)
     needed = list(dict.fromkeys(n for p in phases for n in NEEDS.get(p, [])))
     runner.writer = TargetWriter(runner, needed, runner.configs)
     t_start = time.time()
