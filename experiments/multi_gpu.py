@@ -10,7 +10,9 @@ Phases (any subset, run in this order; `all` = every one):
   tests   pytest -m cuda tests/test_tensor_parallel.py under NCCL (TP=2 hidden states vs one rank, bf16)
   parity  train.py --compile in bf16 on 2 GPUs vs 1 GPU, same global batch: loss curves within bf16 tolerance
           (the tests and both parity runs share the GPUs at the same time: none of them is timed)
-  dp      Llama-3.1-8B shape, seq 4096, TTT 7, compiled target + compiled draft step: 2 GPUs (FSDP2) then 1 GPU
+  dp      Llama-3.1-8B shape, seq 4096, TTT 7, compiled target + compiled draft step: 2 GPUs (FSDP2) then 1 GPU;
+          it starts beside tests/parity once its target is written: its first steps compile for minutes, its
+          timed steps come after those are done (`concurrent_with` in a row names any work that overlapped them)
   disagg  8B shape: 1 producer GPU (HF target) + 1 consumer GPU (compiled draft step) vs colocated DP on both
   tp      Qwen3-30B-A3B shape (--qwen-layers of its 48 layers): --tp 2 vs data parallel over the same 2 GPUs
           (after disagg, so that its target is written while disagg runs)
@@ -48,7 +50,7 @@ WORK = Path(os.environ.get("MULTI_GPU_WORK", "/tmp/multi_gpu"))  # targets, trai
 TOK = ROOT / ".stage" / "tok"  # SmolLM2's tokenizer and chat template (the random targets' tokenizer)
 ROWS = "multi_gpu_h200x2.jsonl"
 # seconds per phase on the GPU (tests and parity share one window); a phase also stops at --budget-s
-TIMEOUT = {"tests": 240, "parity": 300, "dp": 480, "tp": 420, "disagg": 330}
+TIMEOUT = {"tests": 240, "parity": 300, "dp": 530, "tp": 420, "disagg": 330}
 BF16_RTOL = 2e-2  # parity: bf16 keeps 8 mantissa bits (eps 7.8e-3); one rank also keeps bf16 master weights
 
 
@@ -88,6 +90,7 @@ class Runner:
         self.gpu = GpuMonitor() if not args.cpu_smoke else None
         self.rows, self.env_row, self.configs, self.writer = [], {}, {}, None
         self.live = set()  # processes running now (stopped at the end: none outlives the command)
+        self.activity = {}  # phase -> [start, end or None while it runs]
 
     def left(self) -> float:
         return self.deadline - time.time()
@@ -109,6 +112,12 @@ class Runner:
                 f.write(f"\n[multi_gpu] killed at the deadline after {time.time() - t0:.0f} s\n")
             self.live.discard(p)
         return rc, time.time() - t0
+
+    def overlaps(self, phase: str, t0: float, t1: float) -> list[str]:
+        """Other phases, and target writes, that ran during [t0, t1]."""
+        now = time.time()
+        other = [p for p, (a, b) in self.activity.items() if p != phase and a < t1 and (b or now) > t0]
+        return other + [f"writing {n}" for n in (self.writer.overlaps(t0, t1) if self.writer else [])]
 
     def write(self, row: dict) -> dict:
         row = {**row, **self.env_row, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -297,8 +306,8 @@ def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str]
     if runner.gpu is not None:
         row.update(runner.gpu.window(*(window or (t0, time.time()))))
         row["gpu_mem_max_gib_run"] = runner.gpu.window(t0, time.time()).get("gpu_mem_max_gib")
-    if runner.writer is not None and window and (busy := runner.writer.overlaps(*window)):
-        row["concurrent_target_write"] = busy  # a target was being written during the timed steps
+    if window and (busy := runner.overlaps(phase, *window)):
+        row["concurrent_with"] = busy  # other work on the machine during the timed steps
     if rc not in (0, None):
         row["error"] = tail(runner.out / phase / f"{tag}.log")
     return runner.write(row)
@@ -569,33 +578,35 @@ def main(argv=None):
     def deadline(p):
         return min(time.time() + scale * TIMEOUT[p], runner.deadline - 5)
 
-    def guarded(fn, p, *a):  # a phase that raises leaves a row saying so; the others still run
+    results = {}
+
+    def guarded(p, *a):  # a phase that raises leaves a row saying so; the others still run
+        runner.activity[p] = [time.time(), None]
         try:
-            return fn(runner, deadline(p), *a)
+            results[p] = globals()[f"phase_{p}"](runner, deadline(p), *a)
         except Exception as e:  # noqa: BLE001 (any failure of the runner itself, not of train.py)
             import traceback
 
             traceback.print_exc()
             runner.write({"what": p, "error": f"multi_gpu.py: {type(e).__name__}: {e}"[:1000]})
+        finally:
+            runner.activity[p][1] = time.time()
 
-    dp = None
-    correctness = [threading.Thread(target=guarded, args=(globals()[f"phase_{p}"], p), name=p) for p in ("tests", "parity") if p in phases]
-    for th in correctness:  # neither is timed: they share the GPUs
+    # tests and parity (untimed) share the GPUs; dp starts beside them as soon as the 8B target is on
+    # disk: its first steps compile for minutes, and its timed steps come after the two are done (a
+    # row whose timed window overlapped other work says so in concurrent_with)
+    first = [threading.Thread(target=guarded, args=(p,), name=p) for p in ("tests", "parity", "dp") if p in phases]
+    for th in first:
         th.start()
-    for th in correctness:
+    for th in first:
         th.join()
-    for p in ("dp", "disagg", "tp"):  # disagg before tp: the 30B target is written meanwhile
+    for p in ("disagg", "tp"):  # disagg before tp: the 30B target is written meanwhile
         if p not in phases:
             continue
         if runner.left() < 60:
             runner.write({"what": p, "skipped": f"budget: {runner.left():.0f} s left"})
             continue
-        if p == "dp":
-            dp = guarded(phase_dp, p)
-        elif p == "tp":
-            guarded(phase_tp, p)
-        else:
-            guarded(phase_disagg, p, (dp or {}).get(2) or previous_colocated(runner, args))
+        guarded(p, *(((results.get("dp") or {}).get(2) or previous_colocated(runner, args),) if p == "disagg" else ()))
     earlier = ROOT / "experiments" / "results" / ROWS  # rows of an earlier call, if committed or copied there
     old = [json.loads(l) for l in open(earlier) if l.strip()] if earlier.exists() and not args.cpu_smoke else []
     if pred := predict_8gpu(old + runner.rows):
