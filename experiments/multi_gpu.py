@@ -474,6 +474,9 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     runner.write(row)
 
 
+RUN = {"tests": phase_tests, "parity": phase_parity, "dp": phase_dp, "disagg": phase_disagg, "tp": phase_tp}
+
+
 # ------------------------------------------------------------------------------------ driver
 def environment(args) -> dict:
     import importlib.metadata as md
@@ -583,7 +586,7 @@ def main(argv=None):
     def guarded(p, *a):  # a phase that raises leaves a row saying so; the others still run
         runner.activity[p] = [time.time(), None]
         try:
-            results[p] = globals()[f"phase_{p}"](runner, deadline(p), *a)
+            results[p] = RUN[p](runner, deadline(p), *a)
         except Exception as e:  # noqa: BLE001 (any failure of the runner itself, not of train.py)
             import traceback
 
