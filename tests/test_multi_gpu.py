@@ -60,3 +60,5 @@ def test_predict_8gpu_from_2gpu_rows():
     assert p["tp4x2_qwen_tokens_per_s"] == [6000, 12000] and p["dp8_qwen_tokens_per_s"] == 19000
     assert p["split3p5c_8b_tokens_per_s"] == 9500  # consumers bound: 5 x 2000 x 0.95 < 3 x 4000
     assert predict_8gpu([{"what": "tests", "passed": True}]) == {}
+    noisy = predict_8gpu([{"what": "dp_scaling", "speedup_real_tokens": 2.3, "tokens_per_s_1gpu": 1000.0}])
+    assert noisy["fsdp8_8b_tokens_per_s"] == [8000, 8000]  # above-linear 2-GPU noise is not extrapolated
