@@ -124,7 +124,7 @@ class TrainConfig:
     of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
-    shapes repeat (one rank only for now)"""
+    shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
     tp: int = 1
     """tensor-parallel size of the compiled target: torchrun ranks [d*tp, (d+1)*tp) run it together on one batch
     (dp = world/tp data-parallel groups); the draft stays FSDP2 over all ranks"""
@@ -415,9 +415,9 @@ class Trainer:
         elif self.dtype != torch.float32:
             draft.to(self.dtype)
         self.draft = draft
-        if cfg.compile and self.world > 1:
-            raise SystemExit("--compile is single-rank for now (FSDP2 + compile is untested here)")
-        # the training step compiled as a unit; the Triton CE stays eager (kernels/ce.py), evaluation eager
+        # the training step compiled as a unit; the Triton CE stays eager (kernels/ce.py), evaluation eager.
+        # Several ranks: the FSDP2 module is compiled; dynamo skips FSDP's unshard/reshard hooks (they run
+        # eagerly around the one graph, no break), so the gathered parameters are plain inputs to it
         self.draft_step = torch.compile(draft, dynamic=None) if cfg.compile else draft
         decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]

@@ -214,6 +214,8 @@ def consumer_class():
             fault_point("consumer", step)  # tests: hang here (after the ack), to be killed
 
         def evaluate(self):
+            if not self.eval_set:  # --holdout 0: the plan has no eval refs to wait for
+                return super().evaluate()
             refs = self.ctl.wait_step(-1, self.cfg.deploy.producer_timeout)
             self._open_store()
             self.eval_set = self._attach(self.eval_set, refs)

@@ -291,3 +291,14 @@ def test_mooncake_transport_same_curve(tmp_path, colocated, tiny_run_inputs):
     finish(start(train_cmd(out, *tiny_run_inputs, ["--producers", 1, "--store", "mooncake://local", *FAST]), log), log)
     assert_exactly_once(out / "pipeline")
     assert_same_curve(curve(colocated), curve(out), rel=1e-5)
+
+
+def test_no_holdout_runs_to_the_end(tmp_path, tiny_run_inputs):
+    """--holdout 0 (the throughput runs of experiments/multi_gpu.py): the plan has no eval refs, and the
+    consumer must not wait for them (it did, forever) but train every step."""
+    out, log = tmp_path / "dis", tmp_path / "dis.log"
+    cmd = train_cmd(out, *tiny_run_inputs, ["--producers", 1, *FAST])
+    cmd[cmd.index("--holdout") + 1] = "0"
+    finish(start(cmd, log), log, timeout=300)
+    assert [r["step"] for r in curve(out)] == list(range(1, STEPS + 1))
+    assert [p for p, _, _ in Controller(out / "pipeline").ledger()] == list(range(STEPS * 4))  # no eval positions first

@@ -1,7 +1,7 @@
 """The draft step at full speed gives the reference's numbers: rows chosen on the host (no
 nonzero() sync) equal rows chosen on the device, the step compiled as a unit equals eager, the
-prefetcher hands over the right batches, and train.py with the compiled target backend and the
-compiled step follows the HF-backend run."""
+prefetcher hands over the right batches, train.py with the compiled target backend and the
+compiled step follows the HF-backend run, and the compiled step on two ranks (FSDP2) follows one."""
 import pytest
 import torch
 
@@ -78,6 +78,25 @@ def test_train_compiled_backend_and_step_follow_hf(tmp_path, tiny_run_inputs):
     for a, b in zip(hf, fast):
         for k in ("loss", "loss_0", "loss_2", "acc_0", "acc_2"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+
+
+@pytest.mark.slow
+def test_train_compiled_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
+    """--compile with two gloo ranks (the FSDP2-wrapped draft compiled) trains like one compiled rank on
+    the same global batch: loss, per-step metrics, gradient norm and the final weights (~5 min on 2 cores)."""
+    from tests.test_train_e2e import final_params
+
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "one", target, data, 1, ["--steps", "3", "--compile"])
+    run_train(tmp_path / "two", target, data, 2, ["--steps", "3", "--compile"])
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert len(one) == len(two) == 3 and all(r["loss"] > 0 for r in one) and one[-1]["loss"] != one[0]["loss"]
+    for a, b in zip(one, two):
+        for k in ("loss", "loss_0", "loss_2", "acc_0", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
+    for k in p1:
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 @pytest.mark.cuda

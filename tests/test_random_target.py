@@ -1,9 +1,11 @@
 """tools/random_target.py: a preset-shaped random target directory loads back into the compiled
-backend with the same weights (so train.py --backend compiled runs on it), with a chat template."""
+backend with the same weights (so train.py --backend compiled runs on it) and into transformers
+with the same hidden states (the disaggregated producer's HF target), with a chat template."""
 import pytest
 import torch
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig
+from models.target import Target
 from tools.random_target import write_random_target
 
 TINY = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -21,6 +23,10 @@ def test_written_target_loads_back(tmp_path, preset):
     ids = torch.randint(0, cfg["vocab_size"], (2, 11))
     a, b = ref(ids), back(ids)
     assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.final_hidden, b.final_hidden)
+    # transformers reads it too (through model.safetensors.index.json): the disaggregated producer's target
+    hf = Target.load(out, [0, 1, 2], torch.float32, "cpu")(ids)
+    torch.testing.assert_close(hf.aux_hidden, a.aux_hidden, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(hf.final_hidden, a.final_hidden, rtol=1e-4, atol=1e-5)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)

@@ -7,7 +7,8 @@
 
 The directory holds config.json (the preset's HF fields), model-XXXXX.safetensors shards (the
 compiled backend's names: experts stacked as transformers 5 lays them out; `--backend compiled`
-reads them, the HF backend is not the intended reader) and a tokenizer with a chat template
+reads them) with model.safetensors.index.json, so that transformers loads them too (the
+disaggregated producer's HF target, the consumer's embeddings and lm_head), and a tokenizer with a chat template
 (SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
 N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
 """
@@ -45,12 +46,15 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shard, size, n = {}, 0, 0
+    weight_map, total = {}, 0  # the HF index: tensor name -> shard file
 
     def flush():
-        nonlocal shard, size, n
+        nonlocal shard, size, n, total
         if shard:
             name = f"model-{n:05d}.safetensors"
             save_file({k: v.contiguous().cpu() for k, v in shard.items()}, tmp / name, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            total += size
             shard, size, n = {}, 0, n + 1
 
     for k, v in model.state_dict().items():
@@ -61,6 +65,7 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
         if size >= SHARD_BYTES:
             flush()
     flush()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": {"seed": seed, "tokenizer": tokenizer}}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     tok.save_pretrained(tmp)
