@@ -20,6 +20,7 @@ from kernels.masks import (
     flex_attention_eager,
     mask_grid,
     peagle_mask,
+    ttt_document_mask,
     ttt_mask,
 )
 
@@ -62,6 +63,29 @@ def case_ttt(T, k=2):
 
     brute = [[[allowed(L, i, kv) for kv in range((k + 1) * T)] for i in range(T)] for L in lengths]
     return ttt_mask(k, T, torch.tensor(lengths)), brute, T, (k + 1) * T
+
+
+def packed_doc_ids(T, seed):
+    """Labels of a packed row (data/packing.py): 0, 1, ... growing along the row; row 1 ends in padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(B):
+        cuts = sorted(torch.randint(0, T + 1, (3,), generator=g).tolist())
+        doc = [sum(i >= c for c in cuts) for i in range(T)]
+        rows.append([d if b == 0 or i < (T + 1) // 2 else -1 for i, d in enumerate(doc)])
+    return rows
+
+
+def case_ttt_document(T, k=2):
+    """TTT over packed rows: step-0 keys causal and in the query's document; padding is a document of its own."""
+    rows = packed_doc_ids(T, T + 1)
+
+    def allowed(d, i, kv):
+        s, j = divmod(kv, T)
+        return (s == 0 and j <= i and d[i] == d[j]) or (0 < s <= k and j == i)
+
+    brute = [[[allowed(d, i, kv) for kv in range((k + 1) * T)] for i in range(T)] for d in rows]
+    return ttt_document_mask(k, T, torch.tensor(rows)), brute, T, (k + 1) * T
 
 
 def case_dflash(T, window=None, n=3, bs=5):
@@ -114,6 +138,8 @@ CASES = {
     "document_shared": lambda T: case_document(T, shared=True),
     "ttt_k0": lambda T: case_ttt(T, k=0),
     "ttt_k2": case_ttt,
+    "ttt_document_k0": lambda T: case_ttt_document(T, k=0),
+    "ttt_document_k2": case_ttt_document,
     "dflash": case_dflash,
     "dflash_window": lambda T: case_dflash(T, window=3),
     "peagle": case_peagle,
@@ -162,7 +188,7 @@ def test_flex_eager_equals_dense(name, T):
     torch.testing.assert_close(out, dense_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "ttt_k2", "dflash_window", "peagle"])
+@pytest.mark.parametrize("name", ["causal", "document", "ttt_k2", "ttt_document_k2", "dflash_window", "peagle"])
 def test_flex_compiled_equals_dense(name):
     # one odd, padded length per mask: every compile costs seconds on this CPU
     mask_mod, brute, Q, KV = CASES[name](129)
