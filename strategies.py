@@ -112,8 +112,11 @@ def _block_host(b, cfg, device, key, first=0):
 
 def _block_make_batch(feats, b, target, draft, target_p=False, prev_embeds=False):
     c = draft.config
+    packed = "doc_ids" in b  # packed rows: each block's document span, positions inside the documents
     return make_block_batch(feats, b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"], target.embed_tokens, target.lm_head,
-                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds)
+                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds,
+                            anchor_start=b["anchor_start"] if packed else None, anchor_end=b["anchor_end"] if packed else None,
+                            position_ids=b.get("position_ids"))
 
 
 def _block_attention(cfg) -> str:
@@ -177,19 +180,19 @@ STRATEGIES: dict[str, Strategy] = {
     "dflash": Strategy(
         name="dflash", features=("aux",), objectives=DFLASH_OBJECTIVES, build=_dflash_build, host=_block_host,
         make_batch=_block_make_batch, counts=lambda batch, draft, cfg: block_counts(batch), step=_dflash_step,
-        config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash",
+        config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash", packs=True,
     ),
     "domino": Strategy(
         name="domino", features=("aux",), objectives=("ce",), build=_domino_build, host=_block_host,
         make_batch=lambda feats, b, target, draft: _block_make_batch(feats, b, target, draft, prev_embeds=True),
         counts=lambda batch, draft, cfg: block_counts(batch), step=_domino_step,
-        config_cls=DominoConfig, draft_cls=DominoDraft, serving=None,  # no engine loader (vLLM 0.32 has none)
+        config_cls=DominoConfig, draft_cls=DominoDraft, serving=None, packs=True,  # no engine loader (vLLM 0.32 has none)
     ),
     "dspark": Strategy(
         name="dspark", features=("aux", "final"), objectives=("ce-l1-conf",), build=_dspark_build, host=_block_host,
         make_batch=_dspark_make_batch, counts=lambda batch, draft, cfg: block_counts(batch),
         step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
-        config_cls=DSparkConfig, draft_cls=DSparkDraft, serving="dspark",
+        config_cls=DSparkConfig, draft_cls=DSparkDraft, serving="dspark", packs=True,
     ),
 }
 

@@ -126,8 +126,9 @@ class TrainConfig:
     pack: str = "auto"
     """several conversations per row of --max-len (data/packing.py; document boundaries kept everywhere, --batch-size
     still counts conversations): auto = on where the family and target backend keep documents apart (eagle3, incl.
-    EAGLE-3.1 / LK / MoE, and peagle; with the hf (sdpa/eager) or compiled target, online or offline), off elsewhere
-    (dflash / domino / dspark, --compile, lse on GPU) | on = refuse to run where it cannot | off = one conversation per row"""
+    EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
+    offline), off where they cannot (--compile, lse on GPU, other HF attention) | on = refuse to run there | off = one
+    conversation per row"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (one rank only for now)"""
@@ -189,6 +190,21 @@ def validate(cfg: TrainConfig, world: int | None = None):
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
         raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
+
+
+def packing_blocker(cfg: TrainConfig, strategy, kind: str, attn_impl: str | None) -> str | None:
+    """Why this run cannot pack rows without mixing documents (None: it can). attn_impl: the HF
+    target's attention implementation (None for the compiled target or stored features)."""
+    if not strategy.packs:
+        packing = ", ".join(n for n, s in STRATEGIES.items() if s.packs)
+        return f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
+    if cfg.compile:
+        return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
+    if kind == "cuda" and cfg.attention == "lse":
+        return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
+    if attn_impl is not None and attn_impl not in PACKABLE_ATTENTION:
+        return f"the hf target runs {attn_impl!r} attention; packed rows need one of {PACKABLE_ATTENTION} (a 4D mask)"
+    return None
 
 
 def _first_existing(p: Path) -> Path:
@@ -372,22 +388,13 @@ class Trainer:
     def _packing(self, kind: str) -> bool:
         """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
         refuses --pack on and runs auto unpacked, saying why."""
-        cfg, why = self.cfg, None
         attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
-        if not self.strategy.packs:
-            packing = ", ".join(n for n, s in STRATEGIES.items() if s.packs)
-            why = f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
-        elif cfg.compile:
-            why = "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
-        elif kind == "cuda" and cfg.attention == "lse":
-            why = "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
-        elif attn_impl is not None and attn_impl not in PACKABLE_ATTENTION:
-            why = f"the hf target runs {attn_impl!r} attention; packed rows need one of {PACKABLE_ATTENTION} (a 4D mask)"
-        if cfg.pack == "on" and why:
+        why = packing_blocker(self.cfg, self.strategy, kind, attn_impl)
+        if self.cfg.pack == "on" and why:
             raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
-        if cfg.pack == "auto" and why:
+        if self.cfg.pack == "auto" and why:
             self.print(f"[data] one conversation per row: {why}")
-        return cfg.pack != "off" and why is None
+        return self.cfg.pack != "off" and why is None
 
     def barrier(self):
         if dist.is_initialized():

@@ -122,7 +122,7 @@ def ttt_document_mask(step: int, seq_len: int, doc_ids: torch.Tensor, kv_stride:
     return and_masks(ttt_mask(step, seq_len, kv_stride=stride), same_document(doc_ids, stride))
 
 
-def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None):
+def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None, starts: torch.Tensor | None = None):
     """DFlash block-diffusion mask.
 
     Keys: [context (ctx_len) | block 0 (block_size) | block 1 | ... | block n-1],
@@ -132,8 +132,11 @@ def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: in
     see context keys j < anchor (with `window`, only anchor - window <= j < anchor) and every
     token of their own block (bidirectional); never another block. An invalid block (anchor
     <= 0) still sees itself, so its rows stay finite; give it zero loss weight.
+    starts [n] or [B, n] (int, packed rows): where block b's document starts in the row; its
+    context keys are then also j >= starts[b] (its own document only).
     """
     anchor = _per_row(anchors)
+    start = _per_row(starts) if starts is not None else None
 
     def dflash(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
@@ -142,6 +145,8 @@ def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: in
         ctx_ok = kv_idx < a
         if window is not None:
             ctx_ok = ctx_ok & (kv_idx >= a - window)
+        if start is not None:
+            ctx_ok = ctx_ok & (kv_idx >= start(b, blk))
         own_block = (kv_idx - ctx_len) // block_size == blk
         return (is_ctx & ctx_ok) | (~is_ctx & own_block)
 

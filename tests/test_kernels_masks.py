@@ -104,6 +104,24 @@ def case_dflash(T, window=None, n=3, bs=5):
     return dflash_mask(T, bs, anchors, window), brute, n * bs, T + n * bs
 
 
+def case_dflash_packed(T, n=3, bs=5):
+    """Packed rows: each block sees context only from its own document's start (starts) up to its anchor."""
+    g = torch.Generator().manual_seed(T + 2)
+    anchors = torch.randint(0, T + 1, (B, n), generator=g)
+    starts = torch.minimum(torch.randint(0, T + 1, (B, n), generator=g), anchors)
+    anchors[1, -1], starts[1, -1] = 0, 0  # an unused block
+
+    def allowed(a_row, s_row, q, kv):
+        blk = q // bs
+        if kv < T:
+            return s_row[blk] <= kv < a_row[blk]
+        return (kv - T) // bs == blk
+
+    brute = [[[allowed(a_row, s_row, q, kv) for kv in range(T + n * bs)] for q in range(n * bs)]
+             for a_row, s_row in zip(anchors.tolist(), starts.tolist())]
+    return dflash_mask(T, bs, anchors, starts=starts), brute, n * bs, T + n * bs
+
+
 def case_peagle(T, D=3):
     """T base tokens in two documents, then rollouts of depth 1..D-1 from every third
     position, then 5 padding slots (doc -1); row 1 has its elements shuffled."""
@@ -142,6 +160,7 @@ CASES = {
     "ttt_document_k2": case_ttt_document,
     "dflash": case_dflash,
     "dflash_window": lambda T: case_dflash(T, window=3),
+    "dflash_packed": case_dflash_packed,
     "peagle": case_peagle,
 }
 
