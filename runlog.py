@@ -140,9 +140,9 @@ class Throughput:
     6 * N_draft * K (forward + backward of the whole draft for each of the K TTT steps / depths /
     block slots; attention and the draft head's row selection ignored) + 2 * N_target (one frozen
     target forward; 0 when features come from a store), over the window's seconds and
-    n_devices * peak."""
+    n_devices * peak; flops_per_token None (a family without that simple count): no MFU."""
 
-    def __init__(self, flops_per_token: float, n_devices: int, peak: float | None):
+    def __init__(self, flops_per_token: float | None, n_devices: int, peak: float | None):
         self.flops_per_token, self.n_devices, self.peak = flops_per_token, n_devices, peak
         self.steps_seen, self.t0, self.real, self.rows, self.steps = 0, None, 0, 0, 0
         self.total_real, self.total_rows = 0, 0  # every step of this invocation (packing efficiency)
@@ -158,7 +158,8 @@ class Throughput:
             return
         self.real, self.rows, self.steps = self.real + real, self.rows + rows, self.steps + 1
 
-    def pause(self):
+    def pause(self, sync):
+        sync()  # the training work queued so far is counted, not hidden in the pause
         self._paused = time.perf_counter()
 
     def resume(self):
@@ -173,7 +174,7 @@ class Throughput:
         dt = time.perf_counter() - self.t0
         real, rows = global_sum([self.real, self.rows])
         out = {"real_tokens_per_s": real / dt, "row_tokens_per_s": rows / dt, "step_seconds": dt / self.steps}
-        if self.peak:
+        if self.peak and self.flops_per_token:
             out["mfu"] = self.flops_per_token * real / dt / (self.n_devices * self.peak)
         self.t0, self.real, self.rows, self.steps = time.perf_counter(), 0, 0, 0
         return out

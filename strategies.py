@@ -58,6 +58,7 @@ class Strategy:
     serving: str | None
     draft_vocab: bool = False  # the draft proposes from a --draft-vocab-size subset of the target's vocabulary (d2t / t2d)
     packs: bool = False  # its batch, masks and loss honour packed rows' doc_ids / position_ids (train.py --pack)
+    ttt_passes: bool = False  # the draft runs over every row token once per drafted position (EAGLE-3's TTT): MFU's 6*N*K
 
 
 def generator(seed: int, key: int, example: int) -> torch.Generator:
@@ -169,6 +170,7 @@ STRATEGIES: dict[str, Strategy] = {
         name="eagle3", features=("aux", "final"), objectives=EAGLE3_OBJECTIVES, build=_eagle3_build, host=_eagle3_host,
         make_batch=_eagle3_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
         step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3", draft_vocab=True, packs=True,
+        ttt_passes=True,
     ),
     "peagle": Strategy(
         name="peagle", features=("aux", "final"), objectives=("kl",), build=_peagle_build,

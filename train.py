@@ -626,7 +626,11 @@ class Trainer:
 
     # ---- throughput ----
     def throughput(self) -> Throughput:
-        """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count)."""
+        """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count),
+        only for a family whose draft runs over every row token once per TTT step (EAGLE-3): the others' work per
+        token (P-EAGLE's sampled rollouts, the block drafters' anchors) has no such simple count, so no MFU."""
+        if not self.strategy.ttt_passes:
+            return Throughput(None, self.world, None)
         K = self.cfg.ttt_length
         n_draft = sum(p.numel() for p in self.draft.parameters())  # DTensor numel is the global size
         n_target = 0
@@ -719,13 +723,16 @@ class Trainer:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")
             if bar:
                 bar.update(1)
-            speed.pause()  # evaluation and checkpoints are not training throughput
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps:
-                ev = self.evaluate()
-                self.log.write({"step": step + 1, "split": "eval", **ev})
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-                self.save(step + 1)
-            speed.resume()
+            evaluate = cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps
+            save = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0
+            if evaluate or save:
+                speed.pause(self.sync_device)  # evaluation and checkpoints are not training throughput
+                if evaluate:
+                    ev = self.evaluate()
+                    self.log.write({"step": step + 1, "split": "eval", **ev})
+                if save:
+                    self.save(step + 1)
+                speed.resume()
             if cfg.stop_after and step + 1 - start >= cfg.stop_after and step + 1 < self.total_steps:
                 if bar:
                     bar.close()
