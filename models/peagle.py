@@ -128,20 +128,18 @@ def peagle_host(b: dict, K: int, gen_of) -> dict:
         n_of = [int((b["doc_ids"][r] == b["doc_ids"][r, s]).sum()) for r, s in place]
     else:
         place, n_of = [(i, 0) for i in range(R)], b["attention_mask"].sum(1).tolist()
-    rows = [[] for _ in range(R)]  # per row: (pos, depth, doc, start, end) lists of its documents
+    rows = [[] for _ in range(R)]  # per row: its elements (pos, depth, doc, start, end), one document after another
     for i, ((r, s), n) in enumerate(zip(place, n_of)):
         p, d = sample_rollouts(b["loss_mask"][r, s : s + n].tolist(), K, gen_of(i))  # as if alone: same draws
         label = int(b["doc_ids"][r, s]) if "where" in b else 0
-        rows[r].append(([s + x for x in p], d, [label] * len(p), [s] * len(p), [s + n] * len(p)))
-    flat = [[sum((doc[j] for doc in row), []) for j in range(5)] for row in rows]
-    L = max(1, max(len(f[0]) for f in flat))
-    pos, depth, doc, start, end = (torch.zeros(R, L, dtype=torch.long) for _ in range(5))
-    doc.fill_(-1)
-    for i, f in enumerate(flat):
-        n = len(f[0])
-        for t, vals in zip((pos, depth, doc, start, end), f):
-            t[i, :n] = torch.tensor(vals, dtype=torch.long)
-    b.update(pe_pos=pos, pe_depth=depth, pe_doc=doc, pe_start=start, pe_end=end)
+        rows[r] += [(s + x, dd, label, s, s + n) for x, dd in zip(p, d)]
+    L = max(1, max(len(e) for e in rows))
+    out = torch.zeros(5, R, L, dtype=torch.long)  # pos, depth, doc, start, end
+    out[2] = -1  # padding elements
+    for r, elems in enumerate(rows):
+        if elems:
+            out[:, r, : len(elems)] = torch.tensor(elems, dtype=torch.long).T
+    b.update(pe_pos=out[0], pe_depth=out[1], pe_doc=out[2], pe_start=out[3], pe_end=out[4])
     return b
 
 
