@@ -431,6 +431,12 @@ class Trainer:
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
         self.total_steps = cfg.steps or self.batches.per_epoch
+        # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
+        # whose rows then grow to the longest (each conversation still fits one row)
+        longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
+        self.row_len = max(cfg.max_len, longest)
+        if self.row_len > cfg.max_len:
+            self.print(f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens")
 
     def _build_draft(self):
         cfg, t = self.cfg, self.target
@@ -469,9 +475,9 @@ class Trainer:
         strategy's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
-        b = pack(examples, self.cfg.max_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
+        b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
         if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
-            b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128))
+            b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
         b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
         # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
         b.update(examples=examples, ntok=int(b["attention_mask"].sum()), row_tokens=b["attention_mask"].numel(),
@@ -652,7 +658,7 @@ class Trainer:
     def packing_summary(self, speed: Throughput) -> dict:
         """run.json: how full the rows of this invocation's training steps were."""
         real, rows = self.global_token_sum([speed.total_real, speed.total_rows])
-        return {"packed": self.pack, "max_len": self.cfg.max_len, "real_tokens": int(real), "row_tokens": int(rows),
+        return {"packed": self.pack, "row_len": self.row_len, "real_tokens": int(real), "row_tokens": int(rows),
                 "efficiency": real / max(rows, 1)}
 
     # ---- hooks (disagg/roles.py's consumer overrides them) ----

@@ -148,6 +148,13 @@ def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run
     p1, p2 = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
     for k in p1:
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
+    # --max-len below the store's: rows grow to its longest conversation (said so); the same training
+    p = run_train(tmp_path / "short", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--max-len", "64"])
+    assert "(> --max-len 64): rows of" in p.stdout
+    short = json.loads((tmp_path / "short" / "run.json").read_text())["results"]["packing"]
+    assert 64 < short["row_len"] <= 256 and short["real_tokens"] == packing[0]["real_tokens"]
+    for a, b in zip(on, train_rows(tmp_path / "short")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
 
 
 def test_offline_refuses_another_target(tmp_path, captured, tiny_run_inputs, smollm2_tokenizer):
