@@ -114,3 +114,67 @@ class RunLog:
         (self.out / "run.json").write_text(json.dumps(self.meta, indent=1, default=str))
         if self.tb is not None:
             self.tb.close()
+
+
+# ---------------------------------------------------------------- throughput and MFU
+# Dense bf16 tensor-core peak per GPU (FLOP/s, no sparsity), from the vendors' data sheets, by a
+# substring of torch.cuda.get_device_name(). No entry, no MFU: a made-up peak is worse than none
+# (CPUs have no comparable single figure, so CPU runs log no MFU).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
+THROUGHPUT_WARMUP = 2  # steps of each invocation left out of the throughput (compiles, allocator warm-up)
+
+
+def peak_flops(device) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class Throughput:
+    """Tokens per second over windows of training steps that start after THROUGHPUT_WARMUP steps
+    and at every report (a log step, which waits for the device anyway); time spent in evaluation
+    and checkpoints is excluded (pause/resume around them).
+    real = tokens of the conversations; rows = what the rows hold, padding included.
+    MFU (approximate, only where peak_flops knows the device): model FLOPs of the real tokens,
+    6 * N_draft * K (forward + backward of the whole draft for each of the K TTT steps / depths /
+    block slots; attention and the draft head's row selection ignored) + 2 * N_target (one frozen
+    target forward; 0 when features come from a store), over the window's seconds and
+    n_devices * peak; flops_per_token None (a family without that simple count): no MFU."""
+
+    def __init__(self, flops_per_token: float | None, n_devices: int, peak: float | None):
+        self.flops_per_token, self.n_devices, self.peak = flops_per_token, n_devices, peak
+        self.steps_seen, self.t0, self.real, self.rows, self.steps = 0, None, 0, 0, 0
+        self.total_real, self.total_rows = 0, 0  # every step of this invocation (packing efficiency)
+
+    def step(self, real: int, rows: int, sync):
+        self.total_real, self.total_rows = self.total_real + real, self.total_rows + rows
+        self.steps_seen += 1
+        if self.steps_seen < THROUGHPUT_WARMUP:
+            return
+        if self.steps_seen == THROUGHPUT_WARMUP:  # the window opens once the warm-up steps are done
+            sync()
+            self.t0, self.real, self.rows, self.steps = time.perf_counter(), 0, 0, 0
+            return
+        self.real, self.rows, self.steps = self.real + real, self.rows + rows, self.steps + 1
+
+    def pause(self, sync):
+        sync()  # the training work queued so far is counted, not hidden in the pause
+        self._paused = time.perf_counter()
+
+    def resume(self):
+        if self.t0 is not None:
+            self.t0 += time.perf_counter() - self._paused
+
+    def report(self, global_sum) -> dict:
+        """Throughput of the window since the last report (global over ranks through
+        global_sum([real, rows]) -> summed), then a new window. {} during the warm-up."""
+        if self.t0 is None or not self.steps:
+            return {}
+        dt = time.perf_counter() - self.t0
+        real, rows = global_sum([self.real, self.rows])
+        out = {"real_tokens_per_s": real / dt, "row_tokens_per_s": rows / dt, "step_seconds": dt / self.steps}
+        if self.peak and self.flops_per_token:
+            out["mfu"] = self.flops_per_token * real / dt / (self.n_devices * self.peak)
+        self.t0, self.real, self.rows, self.steps = time.perf_counter(), 0, 0, 0
+        return out

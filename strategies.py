@@ -20,6 +20,8 @@ serving dir, evaluate.py drafts with it. `train.py --strategy NAME` picks one of
                 {"loss_sum": [K], "correct": [K]}); acc_k / loss_k in the logs come from these
     serving     export.py's format for it (None: no engine in reach loads it)
     draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
+    packs       whether its host / make_batch / step keep the documents of packed rows apart
+                (data/packing.py: doc_ids, position_ids in the batch); train.py packs only those
 
 K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
 slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K whose
@@ -55,6 +57,8 @@ class Strategy:
     draft_cls: type
     serving: str | None
     draft_vocab: bool = False  # the draft proposes from a --draft-vocab-size subset of the target's vocabulary (d2t / t2d)
+    packs: bool = False  # its batch, masks and loss honour packed rows' doc_ids / position_ids (train.py --pack)
+    ttt_passes: bool = False  # the draft runs over every row token once per drafted position (EAGLE-3's TTT): MFU's 6*N*K
 
 
 def generator(seed: int, key: int, example: int) -> torch.Generator:
@@ -89,12 +93,13 @@ def _eagle3_build(cfg, target, counts, tokenizer):
 
 def _eagle3_host(b, cfg, device, key, first=0):
     if device.type == "cuda":  # host-chosen TTT rows: no nonzero() sync per step on the GPU
-        b["rows"] = select_rows(b["loss_mask"], cfg.ttt_length)
+        b["rows"] = select_rows(b["loss_mask"], cfg.ttt_length, doc_ids_BT=b.get("doc_ids"))
     return b
 
 
 def _eagle3_make_batch(feats, b, target, draft):
-    return eagle3_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids)
+    return eagle3_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids,
+                        b.get("doc_ids"), b.get("position_ids"))
 
 
 def _eagle3_step(module, batch, counts, cfg, b, progress):
@@ -108,8 +113,11 @@ def _block_host(b, cfg, device, key, first=0):
 
 def _block_make_batch(feats, b, target, draft, target_p=False, prev_embeds=False):
     c = draft.config
+    packed = "doc_ids" in b  # packed rows: each block's document span, positions inside the documents
     return make_block_batch(feats, b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"], target.embed_tokens, target.lm_head,
-                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds)
+                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds,
+                            anchor_start=b["anchor_start"] if packed else None, anchor_end=b["anchor_end"] if packed else None,
+                            position_ids=b.get("position_ids"))
 
 
 def _block_attention(cfg) -> str:
@@ -154,38 +162,39 @@ def _peagle_build(cfg, target, counts, tokenizer):
 
 def _peagle_make_batch(feats, b, target, draft):
     return make_peagle_batch(feats, b["input_ids"], b["loss_mask"], b["pe_pos"], b["pe_depth"], b["pe_doc"], target.embed_tokens, target.lm_head,
-                             draft.draft_ids, draft.t2d, draft.config.mask_token_id)
+                             draft.draft_ids, draft.t2d, draft.config.mask_token_id, b["pe_start"], b["pe_end"])
 
 
 STRATEGIES: dict[str, Strategy] = {
     "eagle3": Strategy(
         name="eagle3", features=("aux", "final"), objectives=EAGLE3_OBJECTIVES, build=_eagle3_build, host=_eagle3_host,
         make_batch=_eagle3_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
-        step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3", draft_vocab=True,
+        step=_eagle3_step, config_cls=Eagle3Config, draft_cls=Eagle3Draft, serving="eagle3", draft_vocab=True, packs=True,
+        ttt_passes=True,
     ),
     "peagle": Strategy(
         name="peagle", features=("aux", "final"), objectives=("kl",), build=_peagle_build,
         host=lambda b, cfg, device, key, first=0: peagle_host(b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)),
         make_batch=_peagle_make_batch, counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
         step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
-        config_cls=PEagleConfig, draft_cls=PEagleDraft, serving="peagle", draft_vocab=True,
+        config_cls=PEagleConfig, draft_cls=PEagleDraft, serving="peagle", draft_vocab=True, packs=True,
     ),
     "dflash": Strategy(
         name="dflash", features=("aux",), objectives=DFLASH_OBJECTIVES, build=_dflash_build, host=_block_host,
         make_batch=_block_make_batch, counts=lambda batch, draft, cfg: block_counts(batch), step=_dflash_step,
-        config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash",
+        config_cls=DFlashConfig, draft_cls=DFlashDraft, serving="dflash", packs=True,
     ),
     "domino": Strategy(
         name="domino", features=("aux",), objectives=("ce",), build=_domino_build, host=_block_host,
         make_batch=lambda feats, b, target, draft: _block_make_batch(feats, b, target, draft, prev_embeds=True),
         counts=lambda batch, draft, cfg: block_counts(batch), step=_domino_step,
-        config_cls=DominoConfig, draft_cls=DominoDraft, serving=None,  # no engine loader (vLLM 0.32 has none)
+        config_cls=DominoConfig, draft_cls=DominoDraft, serving=None, packs=True,  # no engine loader (vLLM 0.32 has none)
     ),
     "dspark": Strategy(
         name="dspark", features=("aux", "final"), objectives=("ce-l1-conf",), build=_dspark_build, host=_block_host,
         make_batch=_dspark_make_batch, counts=lambda batch, draft, cfg: block_counts(batch),
         step=lambda module, batch, counts, cfg, b, progress: module(batch, counts, attention=_block_attention(cfg)),
-        config_cls=DSparkConfig, draft_cls=DSparkDraft, serving="dspark",
+        config_cls=DSparkConfig, draft_cls=DSparkDraft, serving="dspark", packs=True,
     ),
 }
 

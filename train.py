@@ -27,12 +27,13 @@ import tyro
 from data.chat import DataError
 from data.datasets import DEFAULT_DATA, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
+from data.packing import pack, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.config import DeployConfig, cli
 from models.eagle3 import ATTENTION, LOSSES, param_count
-from models.target import DEFAULT_TARGET, Target, load_tokenizer, resolve_target
-from runlog import RunLog, run_metadata
+from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
+from runlog import RunLog, Throughput, peak_flops, run_metadata
 from strategies import STRATEGIES
 
 
@@ -122,6 +123,12 @@ class TrainConfig:
     pad_to_max_len: bool = False
     """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
     of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
+    pack: str = "auto"
+    """several conversations per row of --max-len (data/packing.py; document boundaries kept everywhere, --batch-size
+    still counts conversations): auto = on where the family and target backend keep documents apart (eagle3, incl.
+    EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
+    offline), off where they cannot (--compile, lse on GPU, other HF attention) | on = refuse to run there | off = one
+    conversation per row"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
@@ -181,6 +188,23 @@ def validate(cfg: TrainConfig, world: int | None = None):
                           "data-parallel ranks")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
+    if cfg.pack not in ("auto", "on", "off"):
+        raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
+
+
+def packing_blocker(cfg: TrainConfig, strategy, kind: str, attn_impl: str | None) -> str | None:
+    """Why this run cannot pack rows without mixing documents (None: it can). attn_impl: the HF
+    target's attention implementation (None for the compiled target or stored features)."""
+    if not strategy.packs:
+        packing = ", ".join(n for n, s in STRATEGIES.items() if s.packs)
+        return f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
+    if cfg.compile:
+        return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
+    if kind == "cuda" and cfg.attention == "lse":
+        return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
+    if attn_impl is not None and attn_impl not in PACKABLE_ATTENTION:
+        return f"the hf target runs {attn_impl!r} attention; packed rows need one of {PACKABLE_ATTENTION} (a 4D mask)"
+    return None
 
 
 def _first_existing(p: Path) -> Path:
@@ -357,8 +381,20 @@ class Trainer:
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
+        self.pack = self._packing(kind)
         self._load_data()
         self._build_draft()
+
+    def _packing(self, kind: str) -> bool:
+        """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
+        refuses --pack on and runs auto unpacked, saying why."""
+        attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
+        why = packing_blocker(self.cfg, self.strategy, kind, attn_impl)
+        if self.cfg.pack == "on" and why:
+            raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
+        if self.cfg.pack == "auto" and why:
+            self.print(f"[data] one conversation per row: {why}")
+        return self.cfg.pack != "off" and why is None
 
     def barrier(self):
         if dist.is_initialized():
@@ -395,6 +431,12 @@ class Trainer:
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
         self.total_steps = cfg.steps or self.batches.per_epoch
+        # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
+        # whose rows then grow to the longest (each conversation still fits one row)
+        longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
+        self.row_len = max(cfg.max_len, longest)
+        if self.row_len > cfg.max_len:
+            self.print(f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens")
 
     def _build_draft(self):
         cfg, t = self.cfg, self.target
@@ -433,12 +475,13 @@ class Trainer:
         strategy's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
-        b = collate(examples)
+        b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
         if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
-            T = max(b["input_ids"].shape[1], -(-self.cfg.max_len // 128) * 128)
-            b = {k: torch.nn.functional.pad(v, (0, T - v.shape[1])) for k, v in b.items()}
+            b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
         b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
-        b.update(examples=examples, ntok=int(b["attention_mask"].sum()), padded=not bool(b["attention_mask"].all()))
+        # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
+        b.update(examples=examples, ntok=int(b["attention_mask"].sum()), row_tokens=b["attention_mask"].numel(),
+                 padded=not bool(b["attention_mask"].all()))
         return b
 
     def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
@@ -448,10 +491,12 @@ class Trainer:
         already built and on the device (the prefetcher's)."""
         if b is None:
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
-        if self.store is None:
-            feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
+        if self.store is not None:
+            feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where"))
+        elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
+            feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
         else:
-            feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype)
+            feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
         batch = self.strategy.make_batch(feats, b, self.target, self.draft)
         counts = self.strategy.counts(batch, self.draft, self.cfg)
         if global_counts:
@@ -585,6 +630,37 @@ class Trainer:
         self.print(f"[resume] {d} at step {state['step']}")
         return state["step"]
 
+    # ---- throughput ----
+    def throughput(self) -> Throughput:
+        """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count),
+        only for a family whose draft runs over every row token once per TTT step (EAGLE-3): the others' work per
+        token (P-EAGLE's sampled rollouts, the block drafters' anchors) has no such simple count, so no MFU."""
+        if not self.strategy.ttt_passes:
+            return Throughput(None, self.world, None)
+        K = self.cfg.ttt_length
+        n_draft = sum(p.numel() for p in self.draft.parameters())  # DTensor numel is the global size
+        n_target = 0
+        if not isinstance(self.target, TargetHeads):  # a target forward runs here (not offline / a consumer of producers)
+            t = self.target
+            n_target = sum(p.numel() for p in t.parameters()) - t.embed_tokens.weight.numel() + (
+                t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)  # lookups are not matmuls; lm_head is
+        return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
+
+    def sync_device(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def global_token_sum(self, xs: list[int]) -> list[float]:
+        """Token counts summed over data-parallel ranks (tp peers hold the same batch)."""
+        t = all_sum(torch.tensor(xs, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu"))
+        return (t / self.cfg.tp).tolist()
+
+    def packing_summary(self, speed: Throughput) -> dict:
+        """run.json: how full the rows of this invocation's training steps were."""
+        real, rows = self.global_token_sum([speed.total_real, speed.total_rows])
+        return {"packed": self.pack, "row_len": self.row_len, "real_tokens": int(real), "row_tokens": int(rows),
+                "efficiency": real / max(rows, 1)}
+
     # ---- hooks (disagg/roles.py's consumer overrides them) ----
     def step_examples(self, step: int) -> list:
         """This rank's examples of optimizer step `step`."""
@@ -611,7 +687,8 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
-        t0, tokens = time.time(), 0
+        t0 = time.time()
+        speed = self.throughput()
 
         def examples_of(step):
             return self.host_batch(self.step_examples(step), key=step)
@@ -642,34 +719,40 @@ class Trainer:
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
             self.after_step(step)
-            tokens += ntok
+            speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
                 m.update(loss=(all_sum(loss.detach().clone()) / self.world).item(), lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
-                m["tokens_per_s"] = tokens * self.dp_size / (time.time() - t0)
+                m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
                 self.log.write({"step": step + 1, "split": "train", **m})
                 if bar:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")
             if bar:
                 bar.update(1)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps:
-                ev = self.evaluate()
-                self.log.write({"step": step + 1, "split": "eval", **ev})
-            if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-                self.save(step + 1)
+            evaluate = cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps
+            save = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0
+            if evaluate or save:
+                speed.pause(self.sync_device)  # evaluation and checkpoints are not training throughput
+                if evaluate:
+                    ev = self.evaluate()
+                    self.log.write({"step": step + 1, "split": "eval", **ev})
+                if save:
+                    self.save(step + 1)
+                speed.resume()
             if cfg.stop_after and step + 1 - start >= cfg.stop_after and step + 1 < self.total_steps:
                 if bar:
                     bar.close()
                 prefetch.close()
                 self.save(step + 1)
                 self.print(f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume")
-                self.log.finish({"stopped_at": step + 1})
+                self.log.finish({"stopped_at": step + 1, "packing": self.packing_summary(speed)})
                 return {"stopped_at": step + 1}
         if bar:
             bar.close()
         self.save(self.total_steps)
         results["eval_end"] = self.evaluate()
         results["train_seconds"] = time.time() - t0
+        results["packing"] = self.packing_summary(speed)
         self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
         self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
         self.log.finish(results)

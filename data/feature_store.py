@@ -414,15 +414,19 @@ def open_for_training(root, target_dir, aux_layers, dtype, device):
     return store, examples, load_heads(target_dir, store.schema["aux_layers"], dtype, device)
 
 
-def batch_features(store: FeatureStore, examples: list[StoredExample], T: int, device, dtype):
+def batch_features(store: FeatureStore, examples: list[StoredExample], T: int, device, dtype, where: torch.Tensor | None = None):
     """Right-padded (zeros) Features [B, T, ...] of the examples, as the target would give them
-    for a collate()d batch (pad positions are never trained or attended to by valid ones)."""
+    for a collate()d batch (pad positions are never trained or attended to by valid ones).
+    where [N, 2] (packed rows, data/packing.py): example i's features go to row where[i, 0] from
+    column where[i, 1]; each was captured alone, so nothing in them crosses a document."""
     from models.target import Features
 
     rows = [store.read(e.ref, ["aux_hidden", "final_hidden"]) for e in examples]
-    aux = torch.zeros(len(rows), T, rows[0]["aux_hidden"].shape[-1], dtype=dtype)
-    fin = torch.zeros(len(rows), T, rows[0]["final_hidden"].shape[-1], dtype=dtype)
-    for b, r in enumerate(rows):
+    place = [(i, 0) for i in range(len(rows))] if where is None else [tuple(w) for w in where.tolist()]
+    R = 1 + max(r for r, _ in place)
+    aux = torch.zeros(R, T, rows[0]["aux_hidden"].shape[-1], dtype=dtype)
+    fin = torch.zeros(R, T, rows[0]["final_hidden"].shape[-1], dtype=dtype)
+    for r, (b, s) in zip(rows, place):
         n = r["aux_hidden"].shape[0]
-        aux[b, :n], fin[b, :n] = r["aux_hidden"], r["final_hidden"]
+        aux[b, s : s + n], fin[b, s : s + n] = r["aux_hidden"], r["final_hidden"]
     return Features(aux_hidden=aux.to(device, non_blocking=True), final_hidden=fin.to(device, non_blocking=True))

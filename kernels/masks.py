@@ -99,7 +99,30 @@ def ttt_mask(step: int, seq_len: int, lengths: torch.Tensor | None = None, kv_st
     return ttt if lengths is None else and_masks(ttt, valid_query)
 
 
-def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None):
+def same_document(doc_ids: torch.Tensor, kv_stride: int | None = None):
+    """Packed rows: the key carries the query's document label. doc_ids [T] or [B, T] (int); the
+    keys may be several copies of the sequence concatenated (TTT steps), each kv_stride long
+    (default: one copy), so key kv_idx reads label kv_idx % kv_stride. Unlike document_mask,
+    padding (-1) counts as a document of its own: its queries see padding keys, so no row is
+    empty on any path (lse's fused kernel would return NaN for one); padding is never trained."""
+    doc = _per_row(doc_ids)
+    stride = kv_stride
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc(b, q_idx) == doc(b, kv_idx if stride is None else kv_idx % stride)
+
+    return same_doc
+
+
+def ttt_document_mask(step: int, seq_len: int, doc_ids: torch.Tensor, kv_stride: int | None = None):
+    """ttt_mask over packed rows: the TTT mask and the same document (doc_ids [T] or [B, T],
+    labels per query position, at least max(seq_len, kv_stride) long). Only the step-0 keys can
+    cross a boundary (the later steps' keys sit at the query's own position)."""
+    stride = seq_len if kv_stride is None else kv_stride
+    return and_masks(ttt_mask(step, seq_len, kv_stride=stride), same_document(doc_ids, stride))
+
+
+def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None, starts: torch.Tensor | None = None):
     """DFlash block-diffusion mask.
 
     Keys: [context (ctx_len) | block 0 (block_size) | block 1 | ... | block n-1],
@@ -109,8 +132,11 @@ def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: in
     see context keys j < anchor (with `window`, only anchor - window <= j < anchor) and every
     token of their own block (bidirectional); never another block. An invalid block (anchor
     <= 0) still sees itself, so its rows stay finite; give it zero loss weight.
+    starts [n] or [B, n] (int, packed rows): where block b's document starts in the row; its
+    context keys are then also j >= starts[b] (its own document only).
     """
     anchor = _per_row(anchors)
+    start = _per_row(starts) if starts is not None else None
 
     def dflash(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
@@ -119,6 +145,8 @@ def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: in
         ctx_ok = kv_idx < a
         if window is not None:
             ctx_ok = ctx_ok & (kv_idx >= a - window)
+        if start is not None:
+            ctx_ok = ctx_ok & (kv_idx >= start(b, blk))
         own_block = (kv_idx - ctx_len) // block_size == blk
         return (is_ctx & ctx_ok) | (~is_ctx & own_block)
 

@@ -9,6 +9,9 @@ of position i; no other position's proposals are visible to it.
 Shapes: q_BHTD [B, Hq, T, D] (rope applied); ks/vs: lists of k+1 tensors [B, Hkv, T, D],
 step 0 first. GQA: Hq = g * Hkv. Right padding needs no extra mask: a valid query never
 reaches a padded key through the causal part, and diagonal keys sit at its own position.
+Packed rows (data/packing.py) pass doc_ids [B, T] (labels growing along a row, -1 = padding):
+step-0 keys must then also be in the query's document (kernels/masks.py ttt_document_mask);
+the diagonal keys are at the query's own position, so they never cross a boundary.
 
 Three implementations, one contract (out [B, Hq, T, D]):
   ttt_attention_eager  reference; materialises [T, T + k] probabilities
@@ -24,21 +27,30 @@ import math
 
 import torch
 
-from kernels.masks import BlockMask, flex_attention_compiled, flex_attention_eager, ttt_mask
+from kernels.masks import BlockMask, flex_attention_compiled, flex_attention_eager, ttt_document_mask, ttt_mask
 
 
 def _expand_kv(x_BHTD: torch.Tensor, groups: int) -> torch.Tensor:
     return x_BHTD if groups == 1 else x_BHTD.repeat_interleave(groups, dim=1)
 
 
-def ttt_attention_eager(q, ks, vs):
+def step0_mask(T: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor:
+    """Which step-0 keys a query sees: causal [T, T], or with doc_ids [B, T] causal and same
+    document [B, 1, T, T] (padding is a document of its own: no empty row)."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if doc_ids is None:
+        return causal
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+def ttt_attention_eager(q, ks, vs, doc_ids: torch.Tensor | None = None):
     """Reference: materialise [T, T] causal logits plus k diagonal columns, one softmax."""
     B, Hq, T, D = q.shape
     g = Hq // ks[0].shape[1]
     scale = 1.0 / math.sqrt(D)
     k0, v0 = _expand_kv(ks[0], g), _expand_kv(vs[0], g)
     scores_BHTT = (q @ k0.transpose(-1, -2)) * scale
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    causal = step0_mask(T, doc_ids, q.device)
     scores_BHTT = scores_BHTT.masked_fill(~causal, float("-inf"))
     # diag_BHTk[..., s-1] = q_i . k_s,i for the later steps s = 1..k
     diag = [(q * _expand_kv(k, g)).sum(-1, keepdim=True) * scale for k in ks[1:]]
@@ -62,12 +74,18 @@ def ttt_attention_eager(q, ks, vs):
 # ---------------------------------------------------------------------------------------------
 
 
-def _causal_fwd(q, k, v, scale):
-    """(out [B,H,T,D] q.dtype, lse [B,H,T] fp32, aux for backward); k, v already have Hq heads."""
+def _causal_fwd(q, k, v, scale, mask=None):
+    """(out [B,H,T,D] q.dtype, lse [B,H,T] fp32, aux for backward); k, v already have Hq heads.
+    mask: additive [B, 1, T, T] (0 / -inf) replacing the causal one (packed rows; CPU only)."""
     T = q.shape[2]
     if q.device.type == "cpu":
+        if mask is not None:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+            return out, lse, (mask,)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
+    if mask is not None:  # the CUDA flash kernel takes no mask; train.py refuses lse + packing on GPU
+        raise NotImplementedError("ttt_attention_lse with document masks (packed rows) runs on CPU only; use flex on the GPU")
     if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset = r[:8]
@@ -81,6 +99,10 @@ def _causal_fwd(q, k, v, scale):
 
 def _causal_bwd(dout, q, k, v, out, lse, aux, scale):
     if q.device.type == "cpu":
+        if aux:  # the packed rows' mask
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, False, attn_mask=aux[0], scale=scale
+            )
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, True, scale=scale
         )
@@ -112,13 +134,13 @@ def _group_sum(x_BHTD: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _TTTAttentionLSE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, *kvs):
+    def forward(ctx, q, mask, *kvs):
         n = len(kvs) // 2  # k + 1 steps
         ks, vs = kvs[:n], kvs[n:]
         B, Hq, T, D = q.shape
         g = Hq // ks[0].shape[1]
         scale = 1.0 / math.sqrt(D)
-        out0, lse0, aux = _causal_fwd(q, _expand_kv(ks[0], g), _expand_kv(vs[0], g), scale)
+        out0, lse0, aux = _causal_fwd(q, _expand_kv(ks[0], g), _expand_kv(vs[0], g), scale, mask)
         lse = lse0.float()  # [B,Hq,T]; becomes the lse over all T + k logits of each row
         p_diag = None
         if n > 1:
@@ -156,15 +178,20 @@ class _TTTAttentionLSE(torch.autograd.Function):
                 _grouped(dq, g).add_(ds * k)
                 dks.append((ds * q32).sum(2).to(ks[s + 1].dtype))
                 dvs.append((p * do32).sum(2).to(vs[s + 1].dtype))
-        return (dq.to(q.dtype), *dks, *dvs)
+        return (dq.to(q.dtype), None, *dks, *dvs)
 
 
-def ttt_attention_lse(q, ks, vs):
+def ttt_attention_lse(q, ks, vs, doc_ids: torch.Tensor | None = None):
     """Same contract as ttt_attention_eager, O(T) extra memory: fused causal kernel + k
-    diagonal terms merged by log-sum-exp; custom backward (see the comment above)."""
+    diagonal terms merged by log-sum-exp; custom backward (see the comment above). With doc_ids
+    (packed rows, CPU only) the fused kernel takes the [B, 1, T, T] causal-and-same-document mask."""
     if q.device.type not in ("cpu", "cuda"):
-        return ttt_attention_eager(q, ks, vs)
-    return _TTTAttentionLSE.apply(q, *ks, *vs)
+        return ttt_attention_eager(q, ks, vs, doc_ids)
+    mask = None
+    if doc_ids is not None:  # the CPU kernel takes an additive mask of q's dtype ([B, 1, T, T]; no row is empty)
+        allowed = step0_mask(q.shape[2], doc_ids, q.device)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    return _TTTAttentionLSE.apply(q, mask, *ks, *vs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,32 +216,52 @@ def _dense_to_kv_blocks(dense_BHqk: torch.Tensor):
     return num, idx
 
 
-def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK) -> BlockMask:
+def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK,
+                   doc_ids: torch.Tensor | None = None) -> BlockMask:
     """BlockMask for ttt_mask(k, Tp, lengths) with Q_LEN = Tp, KV_LEN = (k+1) Tp, Tp % block == 0.
 
     Block (qb, kb) with step s = kb // nb, key block jb = kb % nb is full when s == 0 and
     jb < qb (every key precedes every query) and partial (mask_mod evaluated) on the
     diagonal jb == qb of every step. With lengths [B], query blocks entirely past lengths[b]
     are dropped and a full block whose queries are only partly valid becomes partial.
+    With doc_ids [B, Tp] (packed rows; labels never decrease along a row and padding, -1, sits
+    at its end: data/packing.py) the mask is ttt_document_mask: a step-0 block below the
+    diagonal is kept only if its keys' last document reaches the queries' first one, and is full
+    only if keys and queries all lie in one document.
     """
     assert Tp % block == 0
+    assert lengths is None or doc_ids is None, "packed rows mark padding by doc_ids, not lengths"
     nb = Tp // block
     qb = torch.arange(nb, device=device)[:, None]
     kb = torch.arange((k + 1) * nb, device=device)[None, :]
     s, jb = kb // nb, kb % nb
     full = ((s == 0) & (jb < qb))[None, None]  # [1, 1, nq, nkv]
     partial = (jb == qb)[None, None]
+    mask_mod = ttt_mask(k, Tp, lengths)
     if lengths is not None:
         L = lengths.to(device).view(-1, 1, 1, 1)
         q_all_valid = (qb[None, None] + 1) * block <= L  # [B, 1, nq, 1]
         q_any_valid = qb[None, None] * block < L
         partial = (partial | (full & ~q_all_valid)) & q_any_valid
         full = full & q_all_valid
+    if doc_ids is not None:
+        B = doc_ids.shape[0]
+        d = doc_ids.to(device).long()
+        d = torch.where(d < 0, d.amax() + 1, d).view(B, nb, block)  # padding: one more, last, label
+        lo, hi = d.amin(-1), d.amax(-1)  # [B, nb] first / last document of each block
+        q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]  # [B, 1, nq, 1]
+        k_lo, k_hi = lo[:, jb[0]][:, None, None], hi[:, jb[0]][:, None, None]  # [B, 1, 1, nkv] (key block of each column)
+        reach = k_hi >= q_lo  # keys precede queries (jb <= qb), so they share a document iff this
+        one_doc = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+        step0 = (s == 0)[None, None]
+        partial = (partial & ~step0) | (step0 & (jb <= qb)[None, None] & reach & ~((jb < qb)[None, None] & one_doc))
+        full = full & one_doc
+        mask_mod = ttt_document_mask(k, Tp, doc_ids.to(device))
     return BlockMask.from_kv_blocks(
         *_dense_to_kv_blocks(partial),
         *_dense_to_kv_blocks(full),
         BLOCK_SIZE=block,
-        mask_mod=ttt_mask(k, Tp, lengths),
+        mask_mod=mask_mod,
         seq_lengths=(Tp, (k + 1) * Tp),
     )
 
@@ -231,25 +278,32 @@ def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device) -> BlockMask:
     return _BLOCK_MASKS[key]
 
 
-def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, *, compiled: bool = True):
+def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None, *, compiled: bool = True):
     """Same contract as ttt_attention_eager, through one flex_attention call.
 
-    lengths [B] (optional): queries at i >= lengths[b] see nothing and return 0. compiled=False
-    runs eager flex (materialises scores; CPU tests). Flex has no backward on CPU.
+    lengths [B] (optional): queries at i >= lengths[b] see nothing and return 0. doc_ids [B, T]
+    (optional, packed rows): step-0 keys only in the query's document. compiled=False runs eager
+    flex (materialises scores; CPU tests). Flex has no backward on CPU.
     """
     T = q.shape[2]
     Tp = -(-T // FLEX_BLOCK) * FLEX_BLOCK
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, Tp - T)) if Tp != T else x  # noqa: E731
     k_cat, v_cat = torch.cat([pad(x) for x in ks], 2), torch.cat([pad(x) for x in vs], 2)  # [B,Hkv,(k+1)Tp,D]
-    return _flex_steps(q, k_cat, v_cat, Tp, len(ks) - 1, lengths, compiled)
+    return _flex_steps(q, k_cat, v_cat, Tp, len(ks) - 1, lengths, compiled, doc_ids)
 
 
-def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool):
+def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_ids=None):
     """The flex call of TTT step k: q [B, Hq, T, D] against k_all / v_all [B, Hkv, (k+1) Tp, D],
     steps 0..k at offsets s * Tp, each zero-padded to Tp. Returns [B, Hq, T, D]."""
     T = q.shape[2]
     q_p = torch.nn.functional.pad(q, (0, 0, 0, Tp - T)) if Tp != T else q
-    block_mask = _cached_ttt_block_mask(Tp, k, q.device) if lengths is None else ttt_block_mask(Tp, k, lengths, q.device)
+    if doc_ids is not None:  # the Tp - T padded positions are padding (-1) too
+        doc_ids = torch.nn.functional.pad(doc_ids, (0, Tp - T), value=-1) if Tp != T else doc_ids
+        block_mask = ttt_block_mask(Tp, k, None, q.device, doc_ids=doc_ids)
+    elif lengths is None:
+        block_mask = _cached_ttt_block_mask(Tp, k, q.device)
+    else:
+        block_mask = ttt_block_mask(Tp, k, lengths, q.device)
     flex = flex_attention_compiled if compiled else flex_attention_eager
     opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and compiled else {}
     out = flex(q_p, k_all, v_all, block_mask=block_mask, enable_gqa=q.shape[1] != k_all.shape[1], **opts)
@@ -295,9 +349,9 @@ class TTTFlexAttention:
     def __init__(self, steps: int, compiled: bool = True):
         self.steps, self.compiled, self.kb, self.vb, self.written = steps, compiled, None, None, 0
 
-    def __call__(self, q, ks, vs, lengths: torch.Tensor | None = None):
+    def __call__(self, q, ks, vs, lengths: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None):
         if torch.compiler.is_compiling():
-            return ttt_attention_flex(q, ks, vs, lengths, compiled=self.compiled)
+            return ttt_attention_flex(q, ks, vs, lengths, doc_ids, compiled=self.compiled)
         B, _, T, D = q.shape
         k = len(ks) - 1
         if k != self.written or k >= self.steps:
@@ -309,4 +363,4 @@ class TTTFlexAttention:
         self.vb = _WriteStep.apply(self.vb, vs[-1], k * Tp)
         self.written += 1
         L = (k + 1) * Tp
-        return _flex_steps(q, self.kb[:, :, :L], self.vb[:, :, :L], Tp, k, lengths, self.compiled)
+        return _flex_steps(q, self.kb[:, :, :L], self.vb[:, :, :L], Tp, k, lengths, self.compiled, doc_ids)

@@ -25,6 +25,11 @@ assistant output and inside the sequence.
          P_k = Π_{j<=k} s_j, slot k is weighted by the detached suffix sum Σ_{j>=k} P_j (the
          expected accepted length its correct prediction unlocks); loss = Σ w·nll / #blocks.
 acc_k (k = 0..K-1) = the draft's argmax at slot k+1 equals the data token a+k+1.
+
+Packed rows (data/packing.py): each conversation's anchors are drawn as if it were alone (same
+generator, its own loss mask) and moved to its place in its row; a block then sees context only
+from its own document (dflash_mask's starts), labels past its document's end are not trained,
+and rope positions (context and block) are positions inside the document.
 """
 from dataclasses import asdict, dataclass, field
 
@@ -125,6 +130,8 @@ class BlockBatch:
     block_embeds: torch.Tensor  # [B, n*bs, H] target embeddings of the block tokens (anchor / mask)
     block_pos: torch.Tensor  # [B, n*bs] rope positions (anchor + slot)
     anchors: torch.Tensor  # [B, n] (0 for unused blocks, which see only themselves)
+    anchor_start: torch.Tensor | None  # [B, n] packed rows: where each block's document starts (None: row start)
+    ctx_pos: torch.Tensor | None  # [B, T] packed rows: context rope positions inside their documents (None: 0..T-1)
     labels: torch.Tensor  # [B, n, K] data token of drafted token k
     weights: torch.Tensor  # [B, n, K] 1 = trained
     prev_ids: torch.Tensor  # [B, n, K] token before drafted token k (anchor, then labels)
@@ -143,35 +150,48 @@ def sample_anchors(loss_mask: list[int], n: int, gen: torch.Generator) -> list[i
 
 
 def block_host(b: dict, num_anchors: int, gen_of) -> dict:
-    """Anchors of a collated batch: b["anchors"] [B, n] (0 = unused block), n = the most any
-    sequence has (<= num_anchors). gen_of(i) is example i's generator."""
-    lengths = b["attention_mask"].sum(1).tolist()
-    picks = [sample_anchors(b["loss_mask"][i, :L].tolist(), num_anchors, gen_of(i)) for i, L in enumerate(lengths)]
-    n = max(1, max(len(p) for p in picks))
-    anchors = torch.zeros(len(picks), n, dtype=torch.long)
-    for i, p in enumerate(picks):
-        anchors[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-    b["anchors"] = anchors
+    """Anchors of a collated or packed batch: b["anchors"] [R, n] (0 = unused block), n = the most
+    any row has (<= num_anchors per conversation), and for each block its document's span in the
+    row, b["anchor_start"] / b["anchor_end"] [R, n]. gen_of(i) is example i's generator."""
+    R = b["input_ids"].shape[0]
+    if "where" in b:  # packed: example i at (row, start) of its row
+        place = [tuple(w) for w in b["where"].tolist()]
+        n_of = [int((b["doc_ids"][r] == b["doc_ids"][r, s]).sum()) for r, s in place]
+    else:
+        place, n_of = [(i, 0) for i in range(R)], b["attention_mask"].sum(1).tolist()
+    rows = [[] for _ in range(R)]  # per row: (anchor, document start, document end) of every block
+    for i, ((r, s), L) in enumerate(zip(place, n_of)):
+        rows[r] += [(s + a, s, s + L) for a in sample_anchors(b["loss_mask"][r, s : s + L].tolist(), num_anchors, gen_of(i))]
+    n = max(1, max(len(p) for p in rows))
+    anchors, starts, ends = (torch.zeros(R, n, dtype=torch.long) for _ in range(3))
+    for r, blocks in enumerate(rows):
+        for j, t in enumerate((anchors, starts, ends)):
+            t[r, : len(blocks)] = torch.tensor([x[j] for x in blocks], dtype=torch.long)
+    b.update(anchors=anchors, anchor_start=starts, anchor_end=ends)
     return b
 
 
 @torch.no_grad()
 def make_block_batch(features, input_ids, loss_mask, attention_mask, anchors, embed_tokens, lm_head, K: int, block_size: int,
-                     mask_token_id: int, target_p: bool = False, prev_embeds: bool = False) -> BlockBatch:
+                     mask_token_id: int, target_p: bool = False, prev_embeds: bool = False, anchor_start=None, anchor_end=None,
+                     position_ids=None) -> BlockBatch:
     """Blocks of block_size slots at the anchors: slot 0 = the anchor token, the rest the mask
     token; positions anchor + slot. DFlash (block_size = K + 1) predicts at slots 1..K, DSpark
-    (block_size = K) at slots 0..K-1: either way drafted token k is position anchor + k + 1."""
+    (block_size = K) at slots 0..K-1: either way drafted token k is position anchor + k + 1.
+    Packed rows: anchor_start / anchor_end [B, n] (each block's document span in its row) and
+    position_ids [B, T] (positions inside the documents); None = one document per row."""
     B, T = input_ids.shape
     n = anchors.shape[1]
-    lengths = attention_mask.sum(1)
+    end = attention_mask.sum(1)[:, None] if anchor_end is None else anchor_end  # [B, 1 or n]
     keep = anchors > 0
     slot = torch.arange(block_size, device=input_ids.device)
     ids = torch.full((B, n, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
     ids[:, :, 0] = torch.where(keep, input_ids.gather(1, anchors), mask_token_id)
-    pos = anchors[:, :, None] + slot
+    local = anchors if anchor_start is None else anchors - anchor_start  # anchor position inside its document
+    pos = local[:, :, None] + slot
     k = torch.arange(K, device=input_ids.device)
     lab_pos = anchors[:, :, None] + 1 + k  # [B, n, K]
-    inside = keep[:, :, None] & (lab_pos < lengths[:, None, None])
+    inside = keep[:, :, None] & (lab_pos < end[:, :, None])  # inside the block's own document
     safe = lab_pos.clamp(max=T - 1).view(B, -1)
     labels = input_ids.gather(1, safe).view(B, n, K)
     weights = (inside & loss_mask.gather(1, safe).view(B, n, K).bool()).float()
@@ -182,7 +202,7 @@ def make_block_batch(features, input_ids, loss_mask, attention_mask, anchors, em
         tp = lm_head(h).float().softmax(-1).view(B, n, K, -1)
     return BlockBatch(
         aux_hidden=features.aux_hidden, block_embeds=embed_tokens(ids.view(B, -1)), block_pos=pos.view(B, -1), anchors=anchors,
-        labels=labels, weights=weights, prev_ids=prev, head=lm_head.weight, target_p=tp,
+        anchor_start=anchor_start, ctx_pos=position_ids, labels=labels, weights=weights, prev_ids=prev, head=lm_head.weight, target_p=tp,
         prev_embeds=embed_tokens(prev) if prev_embeds else None,
     )
 
@@ -249,8 +269,9 @@ class DFlashDraft(nn.Module):
         B, T, _ = batch.aux_hidden.shape
         n, bs = batch.anchors.shape[1], self.config.block_size
         ctx = self.context(batch.aux_hidden)
-        kv = self.context_kv(ctx, torch.arange(T, device=ctx.device).expand(B, T))
-        mask_mod = dflash_mask(T, bs, batch.anchors)
+        ctx_pos = batch.ctx_pos if batch.ctx_pos is not None else torch.arange(T, device=ctx.device).expand(B, T)
+        kv = self.context_kv(ctx, ctx_pos)
+        mask_mod = dflash_mask(T, bs, batch.anchors, starts=batch.anchor_start)  # packed: context of the block's document only
         if attention == "flex":  # GPU: the block mask as a FlexAttention BlockMask
             bm = create_block_mask(mask_mod, B, None, n * bs, T + n * bs, device=ctx.device)
             attend = lambda q, k, v: flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731

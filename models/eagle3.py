@@ -13,6 +13,9 @@ Training-time test (TTT), step k = 0..K-1, position t (features from target posi
   input hidden     = fc(aux_t) at k = 0, else the step k-1 layer output at t
   rope position    = t + k
   attention        = causal over step-0 keys + the diagonal (position t) of steps 1..k
+Packed rows (data/packing.py; the batch's doc_ids / position_ids): t is the position inside its
+document (rope restarts), step-0 keys are those of t's own document, and a row is trained only
+if token t+2+k is in t's document, so nothing read by a trained row crosses a boundary.
   soft target      = target softmax over the draft vocab at position t+1+k (token t+2+k)
   trained iff      token t+2+k is assistant output and the target's argmax is in the draft vocab
   weight           = 0.8^k
@@ -344,8 +347,10 @@ class Eagle3Draft(nn.Module):
         loss and detached per-step sums {loss_sum, correct} for logging (loss_sum: Σ CE for kl,
         Σ (1 - α) for the LK objectives)."""
         attend = ATTENTION[attention](ttt_length)
+        if batch.doc_ids is not None:  # packed rows: step-0 keys of the query's own document only
+            attend = _with_documents(attend, batch.doc_ids)
         B, T, _ = batch.embeds.shape
-        positions = torch.arange(T, device=batch.embeds.device).expand(B, T)
+        positions = batch.position_ids if batch.position_ids is not None else torch.arange(T, device=batch.embeds.device).expand(B, T)
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
         draft_ids = self.draft_ids
         hidden = self.project(batch.aux_hidden)
@@ -434,10 +439,12 @@ class Eagle3Batch:
     target_p: torch.Tensor  # [B, T, Vd] target softmax over the draft vocab at each position
     target_top: torch.Tensor  # [B, T] target argmax over the full vocab
     loss_mask: torch.Tensor  # [B, T] 1 = assistant token
+    doc_ids: torch.Tensor | None = None  # [B, T] packed rows: document label (-1 = padding); None = one per row
+    position_ids: torch.Tensor | None = None  # [B, T] packed rows: position inside the document
 
 
 @torch.no_grad()
-def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids) -> Eagle3Batch:
+def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids, doc_ids=None, position_ids=None) -> Eagle3Batch:
     # one sequence at a time: the [T, V] target logits (1 GiB at T = 4096, V = 128k, bf16)
     # exist once instead of B times
     B, T = input_ids.shape
@@ -453,7 +460,14 @@ def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids)
         target_p=target_p,
         target_top=target_top,
         loss_mask=loss_mask,
+        doc_ids=doc_ids,
+        position_ids=position_ids,
     )
+
+
+def _with_documents(attend, doc_ids):
+    """attend(q, ks, vs) of one TTT unroll restricted to the documents of packed rows."""
+    return lambda q, ks, vs: attend(q, ks, vs, doc_ids=doc_ids)
 
 
 def _all_sum(x):
@@ -474,22 +488,31 @@ def _shift(x, n: int):
     return out
 
 
+def trained(loss_mask_BT: torch.Tensor, k: int, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] bool: position t is trained at TTT step k (token t+2+k is assistant output and, in
+    packed rows, of t's own document)."""
+    acc = _shift(loss_mask_BT, 2 + k).bool()
+    if doc_ids_BT is not None:
+        acc = acc & (_shift(doc_ids_BT, 2 + k) == doc_ids_BT)
+    return acc
+
+
 def step_masks(batch: Eagle3Batch, t2d: torch.Tensor, ttt_length: int):
     """Per TTT step k: (acc_mask, loss_mask) [B, T] bool. acc counts every assistant target;
     the loss drops targets whose argmax the draft vocab cannot express (as SpecForge does)."""
     out = []
     for k in range(ttt_length):
-        acc = _shift(batch.loss_mask, 2 + k).bool()
+        acc = trained(batch.loss_mask, k, batch.doc_ids)
         out.append((acc, acc & t2d[_shift(batch.target_top, 1 + k)]))
     return out
 
 
-def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256) -> torch.Tensor:
+def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
     """[K, R] int64 flat row indices b*T + t trained at each TTT step (token t+2+k is assistant
-    output), from the loss mask on the host, padded with -1 to one size R (a multiple of
-    `multiple`, so compiled shapes repeat). Row counts shrink with k, so R fits every step."""
+    output, in t's document for packed rows), from the loss mask on the host, padded with -1 to
+    one size R (a multiple of `multiple`, so compiled shapes repeat). Row counts shrink with k, so R fits every step."""
     B, T = loss_mask_BT.shape
-    per_step = [_shift(loss_mask_BT, 2 + k).reshape(-1).nonzero().squeeze(1) for k in range(ttt_length)]
+    per_step = [trained(loss_mask_BT, k, doc_ids_BT).reshape(-1).nonzero().squeeze(1) for k in range(ttt_length)]
     R = max(multiple, -(-per_step[0].numel() // multiple) * multiple)
     out = torch.full((ttt_length, R), -1, dtype=torch.long)
     for k, r in enumerate(per_step):

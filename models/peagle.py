@@ -18,6 +18,11 @@ trained toward the target's distribution of token p+2+d. Attention is kernels/ma
 peagle_mask: depth-0 elements see depth-0 elements at positions <= their own; (p, d) sees depth-0
 elements at positions <= p and (p, 1..d). Loss: soft CE over the draft vocabulary (EAGLE-3's),
 a mean over all trained elements; acc_d per depth (draft argmax mapped by d2t == target argmax).
+
+Packed rows (data/packing.py): each conversation's rollouts are drawn as if it were alone (same
+generator, its own loss mask), then moved to its place in its row: pos is the row position, the
+element's doc its document label (peagle_mask keeps documents apart), its rope position and the
+"token p+2+d exists" test are relative to its own document (start / end).
 """
 from dataclasses import dataclass
 
@@ -55,7 +60,7 @@ class PEagleDraft(Eagle3Draft):
         is0 = (batch.depth == 0)[..., None]
         aux = torch.where(is0, batch.aux_hidden.to(self.mask_hidden.dtype), self.mask_hidden)
         hidden = self.project(aux)
-        q, k, v = self.qkv(batch.embeds.to(hidden.dtype), hidden, batch.pos + batch.depth)
+        q, k, v = self.qkv(batch.embeds.to(hidden.dtype), hidden, batch.pos - batch.start + batch.depth)  # rope: inside the document
         mask_mod = peagle_mask(batch.pos, batch.depth, batch.doc)
         if attention == "flex":
             bm = create_block_mask(mask_mod, B, None, L, L, device=q.device)
@@ -86,7 +91,8 @@ class PEagleBatch:
 
     pos: torch.Tensor  # [B, L] anchor position p (depth 0: its own position t)
     depth: torch.Tensor  # [B, L]
-    doc: torch.Tensor  # [B, L] 0 = element, -1 = padding
+    doc: torch.Tensor  # [B, L] document label of the element (packed rows: several per row), -1 = padding
+    start: torch.Tensor  # [B, L] row position where the element's document starts (0 unless packed)
     embeds: torch.Tensor  # [B, L, H] embed(token t+1) at depth 0, embed(mask token) at depth > 0
     aux_hidden: torch.Tensor  # [B, L, n_aux*H_t] aux_t at depth 0 (zeros elsewhere: mask_hidden is used)
     target_p: torch.Tensor  # [B, L, Vd] target distribution (draft vocab) of token p+2+d
@@ -114,20 +120,36 @@ def sample_rollouts(loss_mask: list[int], K: int, gen: torch.Generator) -> tuple
 
 
 def peagle_host(b: dict, K: int, gen_of) -> dict:
-    lengths = b["attention_mask"].sum(1).tolist()
-    rows = [sample_rollouts(b["loss_mask"][i, :L].tolist(), K, gen_of(i)) for i, L in enumerate(lengths)]
-    L = max(1, max(len(p) for p, _ in rows))
-    pos, depth, doc = (torch.zeros(len(rows), L, dtype=torch.long) for _ in range(3))
-    doc.fill_(-1)
-    for i, (p, d) in enumerate(rows):
-        pos[i, : len(p)], depth[i, : len(d)], doc[i, : len(p)] = torch.tensor(p), torch.tensor(d), 0
-    b.update(pe_pos=pos, pe_depth=depth, pe_doc=doc)
+    """The flattened element sequences of a collated or packed batch: pe_pos, pe_depth, pe_doc,
+    pe_start, pe_end [rows, L] (end: where the element's document ends in its row)."""
+    R, T = b["input_ids"].shape
+    if "where" in b:  # packed: example i at (row, start) of its row, its labels from doc_ids
+        place = [tuple(w) for w in b["where"].tolist()]
+        n_of = [int((b["doc_ids"][r] == b["doc_ids"][r, s]).sum()) for r, s in place]
+    else:
+        place, n_of = [(i, 0) for i in range(R)], b["attention_mask"].sum(1).tolist()
+    rows = [[] for _ in range(R)]  # per row: its elements (pos, depth, doc, start, end), one document after another
+    for i, ((r, s), n) in enumerate(zip(place, n_of)):
+        p, d = sample_rollouts(b["loss_mask"][r, s : s + n].tolist(), K, gen_of(i))  # as if alone: same draws
+        label = int(b["doc_ids"][r, s]) if "where" in b else 0
+        rows[r] += [(s + x, dd, label, s, s + n) for x, dd in zip(p, d)]
+    L = max(1, max(len(e) for e in rows))
+    out = torch.zeros(5, R, L, dtype=torch.long)  # pos, depth, doc, start, end
+    out[2] = -1  # padding elements
+    for r, elems in enumerate(rows):
+        if elems:
+            out[:, r, : len(elems)] = torch.tensor(elems, dtype=torch.long).T
+    b.update(pe_pos=out[0], pe_depth=out[1], pe_doc=out[2], pe_start=out[3], pe_end=out[4])
     return b
 
 
 @torch.no_grad()
-def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tokens, lm_head, draft_ids, t2d, mask_token_id) -> PEagleBatch:
+def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tokens, lm_head, draft_ids, t2d, mask_token_id,
+                      start=None, end=None) -> PEagleBatch:
+    """start / end [B, L]: the element's document span in its row (default: the whole row)."""
     B, T = input_ids.shape
+    start = torch.zeros_like(pos) if start is None else start
+    end = torch.full_like(pos, T) if end is None else end
     valid = doc >= 0
     tgt = (pos + 1 + depth).clamp(max=T - 1)  # position whose target logits predict token p+2+d
     lab = (pos + 2 + depth).clamp(max=T - 1)
@@ -140,10 +162,10 @@ def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tok
         logits = lm_head(features.final_hidden[b, tgt[b]])
         target_p[b] = logits[:, draft_ids].float().softmax(-1)
         target_top[b] = logits.argmax(-1)
-    inside = valid & (pos + 2 + depth < T)
+    inside = valid & (pos + 2 + depth < end)  # token p+2+d exists in the element's own document
     acc = inside & loss_mask.gather(1, lab).bool()
     return PEagleBatch(
-        pos=pos, depth=depth, doc=doc, embeds=embed_tokens(tok), aux_hidden=aux, target_p=target_p, target_top=target_top,
+        pos=pos, depth=depth, doc=doc, start=start, embeds=embed_tokens(tok), aux_hidden=aux, target_p=target_p, target_top=target_top,
         acc_mask=acc, loss_mask=(acc & t2d[target_top]).float(),
     )
 

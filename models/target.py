@@ -179,15 +179,41 @@ class Target(nn.Module):
         return self.model.get_output_embeddings()
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Features:
-        # right padding only: pass no mask when nothing is padded so SDPA takes its causal path
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Features:
+        """input_ids [B, T]; attention_mask [B, T] (right padding) or, for packed rows
+        (data/packing.py), doc_ids [B, T] (document label per token, -1 = padding) and
+        position_ids [B, T] (restarting per document): each document then sees only itself."""
         self._captured.clear()
-        final = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if doc_ids is not None:
+            mask = packed_attention_mask(doc_ids, self.model.dtype, self.model.config._attn_implementation)
+            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+        else:
+            # right padding only: pass no mask when nothing is padded so SDPA takes its causal path
+            if attention_mask is not None and bool(attention_mask.all()):
+                attention_mask = None
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
         self._captured.clear()
-        return Features(aux_hidden=aux, final_hidden=final)
+        return Features(aux_hidden=aux, final_hidden=out.last_hidden_state)
+
+
+PACKABLE_ATTENTION = ("sdpa", "eager")  # transformers implementations that add a 4D float mask as given
+
+
+def packed_attention_mask(doc_ids: torch.Tensor, dtype, attn_implementation: str) -> torch.Tensor:
+    """[B, 1, T, T] additive mask (0 = attend, dtype's min = not) for packed rows: causal within
+    a document. transformers (5.x) passes a 4D mask to the attention unchanged (masking_utils:
+    "If the mask is already 4D, simply return as-is"), and sdpa and eager both add a float mask
+    to the scores; padding (-1) is one more document, so no row is empty. Other implementations
+    (flash_attention_2, flex) take masks in other forms: refused, not silently mixed."""
+    if attn_implementation not in PACKABLE_ATTENTION:
+        raise ValueError(f"packed rows need the target's attention to be one of {PACKABLE_ATTENTION} (a 4D mask), "
+                         f"this target uses {attn_implementation!r}: pass --no-pack, or load it with sdpa")
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def fingerprint(path: Path) -> str:

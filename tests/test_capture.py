@@ -123,6 +123,40 @@ def test_offline_training_matches_online(tmp_path, captured, tiny_run_inputs):
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.fixture(scope="module")
+def captured_256(tmp_path_factory, tiny_run_inputs):
+    """The tiny chats captured at --max-len 256, where train.py packs two of them into some rows."""
+    target, data = tiny_run_inputs
+    out = tmp_path_factory.mktemp("cap") / "long"
+    features(FeaturesConfig(target=str(target), data=str(data), out=str(out), num_records=60, max_len=256, shard_mb=1))
+    return out
+
+
+def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run_inputs):
+    """Packed rows: stored features (each captured alone) placed into the rows give the online packed curve."""
+    target, data = tiny_run_inputs
+    extra = ["--steps", "4", "--max-len", "256", "--pack", "on"]
+    run_train(tmp_path / "online", target, data, 1, extra)
+    run_train(tmp_path / "offline", target, "/no/data/needed", 1, [*extra, "--features", captured_256])
+    on, off = train_rows(tmp_path / "online"), train_rows(tmp_path / "offline")
+    assert len(on) == len(off) == 4 and len({r["loss"] for r in on}) > 1
+    for a, b in zip(on, off):
+        for k in ("loss", "loss_0", "loss_2", "acc_0", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    packing = [json.loads((tmp_path / d / "run.json").read_text())["results"]["packing"] for d in ("online", "offline")]
+    assert packing[0] == packing[1] and packing[0]["packed"] and packing[0]["efficiency"] > 0
+    p1, p2 = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
+    for k in p1:
+        torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
+    # --max-len below the store's: rows grow to its longest conversation (said so); the same training
+    p = run_train(tmp_path / "short", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--max-len", "64"])
+    assert "(> --max-len 64): rows of" in p.stdout
+    short = json.loads((tmp_path / "short" / "run.json").read_text())["results"]["packing"]
+    assert 64 < short["row_len"] <= 256 and short["real_tokens"] == packing[0]["real_tokens"]
+    for a, b in zip(on, train_rows(tmp_path / "short")):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), a["step"]
+
+
 def test_offline_refuses_another_target(tmp_path, captured, tiny_run_inputs, smollm2_tokenizer):
     from tests.tiny import tiny_llama
 

@@ -1,5 +1,5 @@
-"""GPU-only kernel checks (skipped without CUDA): flex and LSE TTT attention gradients, the
-real (compiled) Triton cross-entropy and the fused linear-CE against plain torch.
+"""GPU-only kernel checks (skipped without CUDA): flex and LSE TTT attention gradients (with packed rows'
+document masks too), the real (compiled) Triton cross-entropy and the fused linear-CE against plain torch.
 
 bf16 results are judged against an fp32 computation on the same bf16-rounded inputs: a
 kernel must be about as accurate as the eager bf16 reference (error <= 2x eager's + slack).
@@ -85,6 +85,43 @@ def test_ttt_attention_flex_lengths_grads():
         return [out2, *torch.autograd.grad(out2, [q2, *ks2, *vs2], dout.to(dtype))]
 
     _assert_as_accurate(got, prefix(torch.bfloat16), prefix(torch.float32))
+
+
+def _packed_doc_ids(T, B=2):
+    """Packed rows (data/packing.py labels): boundaries inside and on flex blocks; row 1 ends in padding (-1)."""
+    doc = torch.full((B, T), -1, dtype=torch.int32)
+    cuts = [[0, 100, 128, 417, T], [0, 256, 333, T - 57]]
+    for b in range(B):
+        for j, (a, e) in enumerate(zip(cuts[b][:-1], cuts[b][1:])):
+            doc[b, a:e] = j
+    return doc.cuda()
+
+
+@pytest.mark.parametrize("impl", ["flex", "flex_buf"])
+@pytest.mark.parametrize("T,k", [(600, 0), (600, 3), (1000, 6)])
+def test_ttt_attention_flex_document_grads(impl, T, k):
+    """Packed rows: flex (concatenated K/V, and the buffered TTTFlexAttention) with the document block mask,
+    forward and every gradient, against the dense eager reference with the same document mask."""
+    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex
+
+    doc = _packed_doc_ids(T)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    mk = lambda h: torch.randn(2, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+    q, ks, vs = mk(8), [mk(2) for _ in range(k + 1)], [mk(2) for _ in range(k + 1)]
+
+    def flex(q, ks, vs, doc_ids):
+        if impl == "flex":
+            return ttt_attention_flex(q, ks, vs, doc_ids=doc_ids)
+        att = TTTFlexAttention(len(ks))
+        out = None
+        for s in range(len(ks)):  # one unroll: every step's call, the last one's output checked
+            out = att(q, ks[: s + 1], vs[: s + 1], doc_ids=doc_ids)
+        return out
+
+    truth = _fwd_bwd(ttt_attention_eager, *_upcast(q, ks, vs), doc_ids=doc)
+    eager = _fwd_bwd(ttt_attention_eager, q, ks, vs, doc_ids=doc)
+    got = _fwd_bwd(flex, q, ks, vs, doc_ids=doc)
+    _assert_as_accurate(got, eager, truth)
 
 
 # --------------------------------------------------------------------------- cross-entropy

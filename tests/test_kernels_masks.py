@@ -20,6 +20,7 @@ from kernels.masks import (
     flex_attention_eager,
     mask_grid,
     peagle_mask,
+    ttt_document_mask,
     ttt_mask,
 )
 
@@ -64,6 +65,29 @@ def case_ttt(T, k=2):
     return ttt_mask(k, T, torch.tensor(lengths)), brute, T, (k + 1) * T
 
 
+def packed_doc_ids(T, seed):
+    """Labels of a packed row (data/packing.py): 0, 1, ... growing along the row; row 1 ends in padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(B):
+        cuts = sorted(torch.randint(0, T + 1, (3,), generator=g).tolist())
+        doc = [sum(i >= c for c in cuts) for i in range(T)]
+        rows.append([d if b == 0 or i < (T + 1) // 2 else -1 for i, d in enumerate(doc)])
+    return rows
+
+
+def case_ttt_document(T, k=2):
+    """TTT over packed rows: step-0 keys causal and in the query's document; padding is a document of its own."""
+    rows = packed_doc_ids(T, T + 1)
+
+    def allowed(d, i, kv):
+        s, j = divmod(kv, T)
+        return (s == 0 and j <= i and d[i] == d[j]) or (0 < s <= k and j == i)
+
+    brute = [[[allowed(d, i, kv) for kv in range((k + 1) * T)] for i in range(T)] for d in rows]
+    return ttt_document_mask(k, T, torch.tensor(rows)), brute, T, (k + 1) * T
+
+
 def case_dflash(T, window=None, n=3, bs=5):
     g = torch.Generator().manual_seed(T)
     anchors = torch.randint(0, T + 1, (B, n), generator=g)
@@ -78,6 +102,24 @@ def case_dflash(T, window=None, n=3, bs=5):
 
     brute = [[[allowed(a_row, q, kv) for kv in range(T + n * bs)] for q in range(n * bs)] for a_row in anchors.tolist()]
     return dflash_mask(T, bs, anchors, window), brute, n * bs, T + n * bs
+
+
+def case_dflash_packed(T, n=3, bs=5):
+    """Packed rows: each block sees context only from its own document's start (starts) up to its anchor."""
+    g = torch.Generator().manual_seed(T + 2)
+    anchors = torch.randint(0, T + 1, (B, n), generator=g)
+    starts = torch.minimum(torch.randint(0, T + 1, (B, n), generator=g), anchors)
+    anchors[1, -1], starts[1, -1] = 0, 0  # an unused block
+
+    def allowed(a_row, s_row, q, kv):
+        blk = q // bs
+        if kv < T:
+            return s_row[blk] <= kv < a_row[blk]
+        return (kv - T) // bs == blk
+
+    brute = [[[allowed(a_row, s_row, q, kv) for kv in range(T + n * bs)] for q in range(n * bs)]
+             for a_row, s_row in zip(anchors.tolist(), starts.tolist())]
+    return dflash_mask(T, bs, anchors, starts=starts), brute, n * bs, T + n * bs
 
 
 def case_peagle(T, D=3):
@@ -114,8 +156,11 @@ CASES = {
     "document_shared": lambda T: case_document(T, shared=True),
     "ttt_k0": lambda T: case_ttt(T, k=0),
     "ttt_k2": case_ttt,
+    "ttt_document_k0": lambda T: case_ttt_document(T, k=0),
+    "ttt_document_k2": case_ttt_document,
     "dflash": case_dflash,
     "dflash_window": lambda T: case_dflash(T, window=3),
+    "dflash_packed": case_dflash_packed,
     "peagle": case_peagle,
 }
 
@@ -162,7 +207,7 @@ def test_flex_eager_equals_dense(name, T):
     torch.testing.assert_close(out, dense_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["causal", "document", "ttt_k2", "dflash_window", "peagle"])
+@pytest.mark.parametrize("name", ["causal", "document", "ttt_k2", "ttt_document_k2", "dflash_window", "peagle"])
 def test_flex_compiled_equals_dense(name):
     # one odd, padded length per mask: every compile costs seconds on this CPU
     mask_mod, brute, Q, KV = CASES[name](129)

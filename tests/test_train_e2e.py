@@ -1,5 +1,5 @@
-"""train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume,
-bad inputs fail clearly (more of them: tests/test_bad_input.py)."""
+"""train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume (both
+one conversation per row and packed), bad inputs fail clearly (more of them: tests/test_bad_input.py)."""
 import json
 import os
 import subprocess
@@ -39,10 +39,15 @@ def final_params(out):
     return load_file(ck / (ck / "latest").read_text().strip() / "draft.safetensors")
 
 
-def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
+# one conversation per row; packed rows (at --max-len 256 the tiny chats, 76..218 tokens, share rows)
+LAYOUTS = {"rows": ["--pack", "off"], "packed": ["--pack", "on", "--max-len", "256"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs, layout):
     target, data = tiny_run_inputs
-    run_train(tmp_path / "one", target, data, 1, ["--steps", "5"])
-    run_train(tmp_path / "two", target, data, 2, ["--steps", "5"])
+    run_train(tmp_path / "one", target, data, 1, ["--steps", "5", *LAYOUTS[layout]])
+    run_train(tmp_path / "two", target, data, 2, ["--steps", "5", *LAYOUTS[layout]])
     one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
     assert len(one) == len(two) == 5
     for a, b in zip(one, two):
@@ -54,12 +59,13 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
         torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_resume_is_exact(tmp_path, tiny_run_inputs):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_exact(tmp_path, tiny_run_inputs, layout):
     target, data = tiny_run_inputs
-    run_train(tmp_path / "full", target, data, 1, ["--steps", "6"])
-    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--stop-after", "3"])
+    run_train(tmp_path / "full", target, data, 1, ["--steps", "6", *LAYOUTS[layout]])
+    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--stop-after", "3", *LAYOUTS[layout]])
     assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "step_3"
-    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--resume"])
+    run_train(tmp_path / "split", target, data, 1, ["--steps", "6", "--resume", *LAYOUTS[layout]])
     full, split = final_params(tmp_path / "full"), final_params(tmp_path / "split")
     for k in full:
         assert torch.equal(full[k], split[k]), k

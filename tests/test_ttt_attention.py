@@ -119,3 +119,84 @@ def test_lse_under_compile_fullgraph():
     want = torch.autograd.grad(ttt_attention_eager(q, ks, vs).square().sum(), [q, *ks, *vs])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------- packed rows (document ids)
+def _doc_ids(T, seed=0):
+    """Two packed rows (data/packing.py labels): row 0 three documents, row 1 two and padding."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(B):
+        cuts = sorted(torch.randint(1, T + 1, (2,), generator=g).tolist())
+        doc = [sum(i >= c for c in cuts) for i in range(T)]
+        rows.append([d if b == 0 or i < (T + 2) // 2 else -1 for i, d in enumerate(doc)])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _brute_packed(q, ks, vs, doc):
+    """dense_attention over [step 0 | step 1 | ...] keys with a mask from explicit loops."""
+    from kernels.masks import dense_attention
+
+    T, n = q.shape[2], len(ks)
+    allowed = torch.zeros(B, 1, T, n * T, dtype=torch.bool)
+    for b in range(B):
+        d = doc[b].tolist()
+        for i in range(T):
+            for j in range(i + 1):
+                allowed[b, 0, i, j] = d[i] == d[j]
+            for s in range(1, n):
+                allowed[b, 0, i, s * T + i] = True
+    return dense_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), allowed)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("T", [7, 33, 129])
+def test_packed_paths_match_brute_force(T, k, groups):
+    """eager (forward) against loops; lse and eager flex (forward) and lse's gradients against eager."""
+    q, ks, vs = _inputs(T, k, groups)
+    doc = _doc_ids(T, seed=T + k)
+    fn = lambda impl: (lambda q, ks, vs: impl(q, ks, vs, doc_ids=doc))  # noqa: E731
+    with torch.no_grad():
+        want = _brute_packed(q, ks, vs, doc)
+        torch.testing.assert_close(ttt_attention_eager(q, ks, vs, doc_ids=doc), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc_ids=doc, compiled=False), want, atol=1e-5, rtol=1e-5)
+    for got, ref in zip(_fwd_bwd(fn(ttt_attention_lse), q, ks, vs), _fwd_bwd(fn(ttt_attention_eager), q, ks, vs)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_row_equals_separate_documents():
+    """A packed row's outputs on a document are those of that document alone (eager and lse),
+    and perturbing one document changes nothing in its row-mates."""
+    T, k = 40, 2
+    q, ks, vs = _inputs(T, k, 2)
+    doc = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 25 + [-1] * 15], dtype=torch.int32)
+    for impl in (ttt_attention_eager, ttt_attention_lse):
+        with torch.no_grad():
+            out = impl(q, ks, vs, doc_ids=doc)
+            for b, a, e in [(0, 0, 13), (0, 13, 33), (0, 33, 40), (1, 0, 25)]:
+                cut = lambda x: x[b : b + 1, :, a:e]  # noqa: E731
+                alone = impl(cut(q), [cut(x) for x in ks], [cut(x) for x in vs])
+                torch.testing.assert_close(out[b : b + 1, :, a:e], alone, atol=1e-5, rtol=1e-5)
+            ks2 = [x.clone() for x in ks]
+            ks2[0][0, :, 13:33] += 1.0  # document 1 of row 0 only
+            out2 = impl(q, ks2, vs, doc_ids=doc)
+            assert torch.equal(out2[0, :, :13], out[0, :, :13]) and torch.equal(out2[0, :, 33:], out[0, :, 33:])
+            assert not torch.allclose(out2[0, :, 14:33], out[0, :, 14:33])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_ttt_block_mask_layout_packed(k):
+    """The block structure built from per-block document ranges equals create_block_mask's from ttt_document_mask."""
+    from kernels.masks import ttt_document_mask
+
+    Tp = 384
+    doc = torch.full((3, Tp), -1, dtype=torch.int32)
+    doc[0] = torch.tensor([0] * 100 + [1] * 200 + [2] * 84)  # boundaries inside blocks
+    doc[1, :300] = torch.tensor([0] * 128 + [1] * 128 + [2] * 44)  # boundaries on blocks, then padding
+    doc[2, :5] = 0  # one short document
+    ours = ttt_block_mask(Tp, k, None, "cpu", doc_ids=doc)
+    ref = create_block_mask(ttt_document_mask(k, Tp, doc), 3, None, Tp, (k + 1) * Tp, device="cpu")
+    dense = lambda n, i: _ordered_to_dense(n, i, i.shape[-1]).bool()  # noqa: E731
+    assert torch.equal(dense(ours.kv_num_blocks, ours.kv_indices), dense(ref.kv_num_blocks, ref.kv_indices))
+    assert torch.equal(dense(ours.full_kv_num_blocks, ours.full_kv_indices), dense(ref.full_kv_num_blocks, ref.full_kv_indices))

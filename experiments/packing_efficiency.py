@@ -1,0 +1,62 @@
+"""How full train.py's rows are on the packaged chats: real tokens / row tokens over one epoch of
+GlobalBatches, one conversation per row (padded to the batch's longest, or to --max-len as
+--pad-to-max-len / --compile do) against packed rows (data/packing.py). Data only: no model runs,
+so the numbers hold on any hardware. One JSON line per (max_len, batch) appended to
+experiments/results/packing_efficiency.jsonl and printed.
+
+    ./dev python experiments/packing_efficiency.py [--data sharegpt-greedy] [--num-records 0]
+"""
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.datasets import GlobalBatches, build_examples, load_records  # noqa: E402
+from data.packing import first_fit_decreasing  # noqa: E402
+from models.target import load_tokenizer, resolve_target  # noqa: E402
+
+
+def epoch_efficiency(lengths: list[int], max_len: int, batch: int, seed: int = 0) -> dict:
+    batches = GlobalBatches(len(lengths), batch, seed)
+    real = rows_longest = rows_max = rows_packed = n_rows = 0
+    for step in range(batches.per_epoch):
+        ls = [lengths[i] for i in batches.indices(step)]
+        real += sum(ls)
+        rows_longest += len(ls) * max(ls)
+        rows_max += len(ls) * -(-max_len // 128) * 128  # --pad-to-max-len rounds up to the flex block
+        where = first_fit_decreasing(ls, max_len)
+        R = 1 + max(r for r, _ in where)
+        n_rows += R
+        rows_packed += R * max(s + n for (_, s), n in zip(where, ls))
+    return {"unpacked_longest": real / rows_longest, "unpacked_max_len": real / rows_max, "packed": real / rows_packed,
+            "rows_per_batch_packed": n_rows / batches.per_epoch}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", default="sharegpt-greedy")
+    ap.add_argument("--num-records", type=int, default=0, help="0 = all")
+    ap.add_argument("--max-lens", default="1024,2048,4096")
+    ap.add_argument("--batches", default="8,32,64")
+    ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "packing_efficiency.jsonl"))
+    a = ap.parse_args()
+    tok = load_tokenizer(resolve_target("smollm2"))
+    records = load_records(a.data, a.num_records or None)
+    for max_len in map(int, a.max_lens.split(",")):
+        stats = Counter()
+        lengths = [len(e.input_ids) for e in build_examples(records, tok, max_len, stats)]
+        for batch in map(int, a.batches.split(",")):
+            row = {"data": a.data, "conversations": len(lengths), "mean_tokens": sum(lengths) / len(lengths), "max_len": max_len,
+                   "batch": batch, **epoch_efficiency(lengths, max_len, batch), "date": time.strftime("%Y-%m-%d")}
+            print(json.dumps(row), flush=True)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
