@@ -21,8 +21,8 @@ The random targets are written by tools/random_target.py in a background process
 
 Timing: --steps optimizer steps (log every step, so each row of metrics.jsonl is written after the GPU
 finished that step), the first --warmup ones (compilation) dropped. Per run: step_s (median step time),
-tokens_per_s (real, unpadded tokens over the timed steps, train.py's own count: rank 0's tokens x data-
-parallel ranks), row_tokens_per_s (global batch x seq / step_s: the padded rows the GPUs compute),
+tokens_per_s (real, unpadded tokens over the timed steps, train.py's own count summed over ranks),
+row_tokens_per_s (the rows the GPUs compute, padding included),
 peak_gib (rank 0's torch.cuda.max_memory_allocated, from run.json) and per GPU the largest memory.used
 and the mean utilization.gpu that nvidia-smi saw (sampled every second). Every phase has a timeout and
 writes its rows to --out-dir/multi_gpu_h200x2.jsonl as soon as a run ends; a killed run still gives a
@@ -252,24 +252,23 @@ def read_run(out: Path) -> tuple[list[dict], dict]:
 
 
 def throughput(rows: list[dict], batch: int, seq: int, warmup: int) -> dict:
-    """Timing of one train.py run from its metrics.jsonl (rows written right after each step's
-    loss.item(), i.e. after the GPU finished it). The loop's clock t0 starts right after the
-    step-0 eval row; train.py logs the cumulative real-token rate tokens * dp / (now - t0), so
-    real tokens up to step i = tokens_per_s_i * (time_i - t0). Steps 1..warmup are dropped."""
+    """Timing of one train.py run from its metrics.jsonl. With --log-every 1 each train row carries
+    its own step's global real_tokens_per_s, row_tokens_per_s and step_seconds (runlog.Throughput:
+    summed over ranks, evaluation and checkpoints excluded; its first warm-up steps carry none).
+    Steps 1..warmup are dropped; the rest are pooled: tokens over seconds."""
     train = [r for r in rows if r.get("split") == "train"]
-    start = [r["time"] for r in rows if r.get("split") == "eval" and r.get("step") == 0]
     losses = {"steps_logged": len(train), "losses": [round(r["loss"], 5) for r in train]}
-    if not start or len(train) < warmup + 2:
+    timed = [r for r in train if r["step"] > warmup and "real_tokens_per_s" in r]
+    if len(timed) < 2:
         return losses
-    times = [start[0]] + [r["time"] for r in train]
-    step_s = [b - a for a, b in zip(times, times[1:])]
-    cum = [0.0] + [r["tokens_per_s"] * (r["time"] - start[0]) for r in train]
-    timed = step_s[warmup:]
-    med = statistics.median(timed)
-    real = (cum[-1] - cum[warmup]) / (times[-1] - times[warmup])
-    return {"tokens_per_s": round(real, 1), "row_tokens_per_s": round(batch * seq / med, 1), "step_s": round(med, 4),
-            "step_s_min": round(min(timed), 4), "step_s_max": round(max(timed), 4), "first_step_s": round(step_s[0], 1),
-            "timed_steps": len(timed), "window": (times[warmup], times[-1]), **losses}
+    secs = [r["step_seconds"] for r in timed]
+    real = sum(r["real_tokens_per_s"] * t for r, t in zip(timed, secs)) / sum(secs)
+    row = sum(r["row_tokens_per_s"] * t for r, t in zip(timed, secs)) / sum(secs)
+    start = [r["time"] for r in rows if r.get("split") == "eval" and r.get("step") == 0]
+    first = {"first_step_s": round(train[0]["time"] - start[0], 1)} if start else {}
+    return {"tokens_per_s": round(real, 1), "row_tokens_per_s": round(row, 1), "step_s": round(statistics.median(secs), 4),
+            "step_s_min": round(min(secs), 4), "step_s_max": round(max(secs), 4), **first,
+            "timed_steps": len(timed), "window": (timed[0]["time"] - secs[0], timed[-1]["time"]), **losses}
 
 
 def parse(rows, batch, seq, warmup) -> dict:

@@ -8,13 +8,16 @@ import pytest
 from experiments.multi_gpu import loss_parity, main, predict_8gpu, throughput
 
 
-def fake_metrics(step_s, real_tokens, dp=2, t0=1000.0):
-    """Rows as train.py logs them: an eval row at step 0, then per step the cumulative real-token rate
-    tokens * dp / (now - t0) of rank 0's tokens (here the same on both ranks)."""
-    rows, t, cum = [{"time": t0, "step": 0, "split": "eval"}], t0, 0
+def fake_metrics(step_s, real_tokens, dp=2, t0=1000.0, row_tokens=8 * 4096):
+    """Rows as train.py logs them with --log-every 1: an eval row at step 0, then per step its own
+    global token rates and seconds (runlog.Throughput), none for its first two warm-up steps."""
+    rows, t = [{"time": t0, "step": 0, "split": "eval"}], t0
     for i, (s, n) in enumerate(zip(step_s, real_tokens)):
-        t, cum = t + s, cum + n
-        rows.append({"time": t, "step": i + 1, "split": "train", "loss": 10.0 - i, "tokens_per_s": cum * dp / (t - t0)})
+        t += s
+        r = {"time": t, "step": i + 1, "split": "train", "loss": 10.0 - i}
+        if i >= 2:
+            r.update(real_tokens_per_s=n * dp / s, row_tokens_per_s=row_tokens / s, step_seconds=s)
+        rows.append(r)
     return rows
 
 
@@ -24,7 +27,7 @@ def test_throughput_drops_warmup_and_counts_real_tokens():
     r = throughput(fake_metrics(step_s, tokens), batch=8, seq=4096, warmup=4)
     assert r["tokens_per_s"] == pytest.approx(2 * sum(tokens[4:]) / sum(step_s[4:]), rel=1e-4)
     assert r["step_s"] == pytest.approx(statistics.median(step_s[4:]), rel=1e-4)
-    assert r["row_tokens_per_s"] == pytest.approx(8 * 4096 / statistics.median(step_s[4:]), rel=1e-4)
+    assert r["row_tokens_per_s"] == pytest.approx(8 * 4096 * len(step_s[4:]) / sum(step_s[4:]), rel=1e-4)
     assert r["first_step_s"] == pytest.approx(95.0, abs=0.1) and r["timed_steps"] == 6 and r["steps_logged"] == 10
     assert r["losses"][0] == 10.0 and r["window"][1] - r["window"][0] == pytest.approx(sum(step_s[4:]))
 
