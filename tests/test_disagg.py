@@ -158,11 +158,16 @@ def start(cmd, log, fault=""):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def wait_until(pred, timeout=120, what=""):
+def wait_until(pred, timeout=600, what="", proc=None, log=None):
+    """Poll for an event the run will reach. The bound is generous because a loaded 2-core CI
+    runner starts four torch processes at once (CI once took over 120 s to reach a producer's
+    third lease); a process that exits first fails the wait at once, with its log."""
     t0 = time.time()
     while not pred():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        tail = Path(log).read_text()[-3000:] if log else ""
+        assert proc is None or proc.poll() is None, f"exited ({proc.returncode}) before {what}:\n{tail}"
+        assert time.time() - t0 < timeout, f"timed out after {timeout} s waiting for {what}:\n{tail}"
+        time.sleep(0.2)
 
 
 def worker_pid(ctl_dir, name):
@@ -215,7 +220,7 @@ def test_killed_producer_same_curve_as_colocated(tmp_path, colocated, tiny_run_i
     than the high watermark in flight."""
     out, log = tmp_path / "dis", tmp_path / "dis.log"
     p = start(train_cmd(out, *tiny_run_inputs, ["--producers", 2, *FAST]), log, fault="hang:p0:3")
-    wait_until(lambda: "[fault] p0 hangs at 3" in log.read_text(), what="p0 to hang")
+    wait_until(lambda: "[fault] p0 hangs at 3" in log.read_text(), what="p0 to hang", proc=p, log=log)
     os.kill(worker_pid(out / "pipeline", "p0"), signal.SIGKILL)
     text = finish(p, log)
     assert "producer p0 exited (-9)" in text
@@ -237,7 +242,8 @@ def test_killed_consumer_restarts_from_ledger(tmp_path, colocated, tiny_run_inpu
     roles = ["--control", ctl_dir, "--store", tmp_path / "store", *FAST]
     prod = start(train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log")
     cons = start(train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c1.log", fault="hang:consumer:2")
-    wait_until(lambda: "[fault] consumer hangs at 2" in (tmp_path / "c1.log").read_text(), what="the consumer to hang")
+    wait_until(lambda: "[fault] consumer hangs at 2" in (tmp_path / "c1.log").read_text(), what="the consumer to hang", proc=cons,
+               log=tmp_path / "c1.log")
     assert {st for _, st, _ in Controller(ctl_dir).ledger()} == {0, 1, 2}
     cons.kill()
     cons.wait()
@@ -257,7 +263,8 @@ def test_all_producers_dead_fails_in_bounded_time(tmp_path, tiny_run_inputs):
     roles = ["--control", ctl_dir, "--store", tmp_path / "store", "--producer-timeout", 15, *FAST]
     prod = start(train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log", fault="hang:w1:3")
     cons = start(train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c.log")
-    wait_until(lambda: "[fault] w1 hangs at 3" in (tmp_path / "p.log").read_text(), what="the producer to hang")
+    wait_until(lambda: "[fault] w1 hangs at 3" in (tmp_path / "p.log").read_text(), what="the producer to hang", proc=prod,
+               log=tmp_path / "p.log")
     prod.kill()
     t0 = time.time()
     rc = cons.wait(timeout=120)
