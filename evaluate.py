@@ -26,7 +26,10 @@ from typing import Annotated
 import torch
 import tyro
 
-from models.speculative import Eagle3Proposer, NgramProposer, Proposer, SpecStats, TargetRunner, proposer_for, speculative_generate
+from models.eagle3 import Eagle3Proposer
+from models.families import FAMILIES
+from models.proposer import Proposer
+from speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -104,8 +107,8 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
 
 def run_dataset_batched(target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False):
     """run_dataset for an EAGLE-3 chain proposer, `batch` conversations decoded at once
-    (models/batched_chain.py); turn t of every conversation in a group runs in one batch."""
-    from models.batched_chain import batched_chain_generate
+    (batched_chain.py); turn t of every conversation in a group runs in one batch."""
+    from batched_chain import batched_chain_generate
 
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
@@ -187,7 +190,7 @@ class EvalArgs:
     threads: int = 0
     """torch threads (0 = torch's default)"""
     batch: int = 1
-    """EAGLE-3 chains: decode this many conversations at once (models/batched_chain.py; same tokens and
+    """EAGLE-3 chains: decode this many conversations at once (batched_chain.py; same tokens and
     counters per conversation up to float rounding of the batched matmuls); other proposers run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
@@ -229,7 +232,7 @@ def main(a: EvalArgs) -> dict:
     from transformers import AutoModelForCausalLM
 
     from data.chat import DataError
-    from export import ExportError, load_draft, target_mismatch
+    from export import ExportError, open_draft, target_mismatch
     from models.target import load_tokenizer, resolve_target
     from runlog import git_commit, hardware, versions
 
@@ -237,7 +240,7 @@ def main(a: EvalArgs) -> dict:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     try:
-        draft, recorded = load_draft(a.draft)
+        draft, recorded = open_draft(a.draft)
     except (ExportError, FileNotFoundError) as e:
         raise SystemExit(f"cannot load the draft: {e}") from None
     try:
@@ -253,7 +256,7 @@ def main(a: EvalArgs) -> dict:
     draft.to(device=a.device, dtype=dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
-    if draft.family == "eagle3":
+    if FAMILIES[draft.family].decode_depth:
         proposers = [proposer_for(draft, model, depth=k) for k in a.k]
         if a.tree_topk:
             proposers.append(proposer_for(draft, model, depth=a.tree_depth, topk=a.tree_topk))

@@ -100,7 +100,8 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
     from data.chat import DataError, check_template, to_messages, tokenize_chat
     from data.datasets import load_records
     from evaluate import eos_ids, render
-    from models.speculative import Proposer, TargetRunner, speculative_generate
+    from models.proposer import Proposer
+    from speculative import TargetRunner, speculative_generate
     from models.target import load_tokenizer, resolve_target
 
     target_dir = resolve_target(cfg.target)
@@ -240,7 +241,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
 
     from export import ExportError, export, load_exported, target_mismatch
     from models.target import load_tokenizer
-    from models.speculative import Proposer, TargetRunner, proposer_for, speculative_generate
+    from models.proposer import Proposer
+    from speculative import TargetRunner, proposer_for, speculative_generate
 
     shipped = (ckpt / "model.safetensors").exists()  # a serving dir: served as it is
     serving = ckpt if shipped else out / "export-vllm"

@@ -34,13 +34,13 @@ from disagg.config import DeployConfig, cli
 from models.eagle3 import ATTENTION, LOSSES, param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
-from strategies import STRATEGIES
+from models.families import FAMILIES, FAMILY_OPTIONS
 
 
 @dataclass
 class TrainConfig:
     strategy: str = "eagle3"
-    """draft family to train: eagle3 | peagle | dflash | domino | dspark (strategies.py)"""
+    """draft family to train: eagle3 | peagle | dflash | domino | dspark (models/families.py)"""
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
     data: str = DEFAULT_DATA
@@ -190,13 +190,20 @@ def validate(cfg: TrainConfig, world: int | None = None):
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
         raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
+    if cfg.strategy not in FAMILIES:
+        raise ConfigError(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(FAMILIES)}")
+    default = TrainConfig()
+    for name in sorted(FAMILY_OPTIONS - FAMILIES[cfg.strategy].options):  # an option another family reads: refused, never ignored
+        if getattr(cfg, name) != getattr(default, name):
+            users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
+            raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
 
 
-def packing_blocker(cfg: TrainConfig, strategy, kind: str, attn_impl: str | None) -> str | None:
+def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
     """Why this run cannot pack rows without mixing documents (None: it can). attn_impl: the HF
     target's attention implementation (None for the compiled target or stored features)."""
-    if not strategy.packs:
-        packing = ", ".join(n for n, s in STRATEGIES.items() if s.packs)
+    if not family.packs:
+        packing = ", ".join(n for n, s in FAMILIES.items() if s.packs)
         return f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
     if cfg.compile:
         return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
@@ -310,13 +317,11 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate(cfg)
-        if cfg.strategy not in STRATEGIES:
-            raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-        self.strategy = STRATEGIES[cfg.strategy]
+        self.family = FAMILIES[cfg.strategy]
         if cfg.objective == "auto":
-            cfg = dataclasses.replace(cfg, objective=self.strategy.objectives[0])
-        if cfg.objective not in self.strategy.objectives:
-            raise SystemExit(f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.strategy.objectives)}")
+            cfg = dataclasses.replace(cfg, objective=self.family.objectives[0])
+        if cfg.objective not in self.family.objectives:
+            raise SystemExit(f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}")
         if cfg.compile and cfg.objective.startswith("lk"):
             raise SystemExit("--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)")
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -353,13 +358,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.log = RunLog(self.out, enabled=self.rank == 0)
-        self.progress = 0.0  # fraction of the schedule done (loss schedules, e.g. Domino's)
+        self.schedule = 0.0  # fraction of training done (loss schedules, e.g. Domino's curriculum)
 
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
         V = target_vocab_size(target_dir)
-        if self.strategy.draft_vocab and V and cfg.draft_vocab_size > V:
+        if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
             raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
                               f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's")
         self.store = None
@@ -389,7 +394,7 @@ class Trainer:
         """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
         refuses --pack on and runs auto unpacked, saying why."""
         attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
-        why = packing_blocker(self.cfg, self.strategy, kind, attn_impl)
+        why = packing_blocker(self.cfg, self.family, kind, attn_impl)
         if self.cfg.pack == "on" and why:
             raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
         if self.cfg.pack == "auto" and why:
@@ -441,7 +446,7 @@ class Trainer:
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
-        draft = self.strategy.build(cfg, t, counts, self.tokenizer)
+        draft = self.family.build(cfg, t, counts, self.tokenizer)
         self.draft_config = draft.config
         t2d = getattr(draft, "t2d", None)
         vocab = "" if t2d is None else (
@@ -469,23 +474,23 @@ class Trainer:
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
-    # ---- one batch -> the strategy's loss ----
+    # ---- one batch -> the family's loss ----
     def host_batch(self, examples, key: int = 0) -> dict:
         """Everything about a batch that the host knows without the GPU: collated tensors, the
-        strategy's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
+        family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
-        during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
+        during training. key seeds the family's random draws (the step; eval batches: < 0)."""
         b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
         if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
             b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
-        b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
+        b = self.family.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
         # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
         b.update(examples=examples, ntok=int(b["attention_mask"].sum()), row_tokens=b["attention_mask"].numel(),
                  padded=not bool(b["attention_mask"].all()))
         return b
 
     def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
-        """Target features -> the strategy's batch -> its loss. With global_counts the per-position
+        """Target features -> the family's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
         already built and on the device (the prefetcher's)."""
@@ -497,12 +502,12 @@ class Trainer:
             feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
         else:
             feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
-        batch = self.strategy.make_batch(feats, b, self.target, self.draft)
-        counts = self.strategy.counts(batch, self.draft, self.cfg)
+        batch = self.family.make_batch(feats, b, self.target, self.draft)
+        counts = self.family.counts(batch, self.draft, self.cfg)
         if global_counts:
             counts = all_sum(counts)
         draft = self.draft_step if torch.is_grad_enabled() else self.draft
-        loss, stats = self.strategy.step(draft, batch, counts, self.cfg, b, self.progress)
+        loss, stats = self.family.step(draft, batch, counts, self.cfg, b, self.schedule)
         return loss * scale, stats, counts, b["ntok"]
 
     def metrics(self, stats, counts) -> dict:
@@ -635,7 +640,7 @@ class Trainer:
         """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count),
         only for a family whose draft runs over every row token once per TTT step (EAGLE-3): the others' work per
         token (P-EAGLE's sampled rollouts, the block drafters' anchors) has no such simple count, so no MFU."""
-        if not self.strategy.ttt_passes:
+        if not self.family.ttt_passes:
             return Throughput(None, self.world, None)
         K = self.cfg.ttt_length
         n_draft = sum(p.numel() for p in self.draft.parameters())  # DTensor numel is the global size
@@ -696,7 +701,7 @@ class Trainer:
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         for step in range(start, self.total_steps):
             b = next(prefetch)
-            self.progress = step / self.total_steps
+            self.schedule = step / self.total_steps
             loss, stats, counts, ntok = self.forward(b["examples"], scale=float(self.world), b=b)
             # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
             # eval, checkpoint, stop), so a bad step is caught before anything is saved

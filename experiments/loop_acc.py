@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl"))
     a = ap.parse_args()
 
-    from export import load_draft
+    from export import open_draft
     from train import Trainer, TrainConfig, run_metadata
 
     t0 = time.time()
@@ -72,7 +72,7 @@ def main():
     cfg = TrainConfig(data=str(tmp / "chats.jsonl"), num_records=0, holdout=a.n, max_len=a.max_len,
                       out=str(tmp / "run"), device="cpu", batch_size=1, eval_batch_size=4, progress=False)
     tr = Trainer(cfg)
-    draft, _ = load_draft(a.draft)
+    draft, _ = open_draft(a.draft)
     tr.draft = tr.draft_step = draft.to(tr.device).eval()
     full = tr.eval_set
     loops = [loop_positions(e.input_ids, e.loss_mask) for e in full]

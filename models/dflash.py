@@ -40,6 +40,8 @@ from torch import nn
 from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
 from models.eagle3 import MLP, RMSNorm, apply_rope, rope_inv_freq
+from models.family import Family, Serving, block_attention, generator, pick_mask_token
+from models.proposer import Proposer, Tree
 
 OBJECTIVES = ("ce", "dpace")
 DPACE_BETA = 0.5  # smoothing of the prefix-acceptance estimate (SpecForge's default)
@@ -329,3 +331,74 @@ class DFlashDraft(nn.Module):
         """Greedy drafts of one block: K target token ids (one parallel forward)."""
         h = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)
         return (h @ head_VH.T.to(h.dtype)).argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class BlockProposer(Proposer):
+    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at the newest
+    committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
+    committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
+    precompute) and extends it with the rows the target verified."""
+
+    needs_aux = True
+
+    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash"):
+        self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
+        self.name, self.depth = f"{family}-block{draft.K}", draft.K
+        self.kv, self.n_ctx = None, 0
+
+    @torch.no_grad()
+    def _catch_up(self, ids, aux):
+        N = len(ids)
+        ctx = self.draft.context(aux[None])
+        new = self.draft.context_kv(ctx, torch.arange(self.n_ctx, N - 1, device=ctx.device)[None])
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.n_ctx = N - 1
+
+    def prefill(self, ids, aux):
+        self.kv, self.n_ctx = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    def propose(self, ids) -> Tree:
+        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        return Tree(list(toks), list(range(-1, len(toks) - 1)))
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+BLOCK_OPTIONS = frozenset({"draft_layers", "num_anchors"})  # every block family (dflash, domino, dspark)
+
+
+def block_family_host(b, cfg, device, key, first=0):
+    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i))
+
+
+def block_family_batch(feats, b, target, draft, target_p=False, prev_embeds=False):
+    c = draft.config
+    packed = "doc_ids" in b  # packed rows: each block's document span, positions inside the documents
+    return make_block_batch(feats, b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"], target.embed_tokens, target.lm_head,
+                            draft.K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds,
+                            anchor_start=b["anchor_start"] if packed else None, anchor_end=b["anchor_end"] if packed else None,
+                            position_ids=b.get("position_ids"))
+
+
+def block_proposer(draft, model, depth=None, topk=1):
+    return BlockProposer(draft, model.get_input_embeddings(), model.get_output_embeddings().weight, draft.family)
+
+
+def _build(cfg, target, counts, tokenizer):
+    c = DFlashConfig.from_target(target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    return DFlashDraft(c)
+
+
+def _step(module, batch, counts, cfg, b, schedule):
+    return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+
+
+FAMILY = Family(
+    name="dflash", config_cls=DFlashConfig, draft_cls=DFlashDraft, objectives=OBJECTIVES, options=BLOCK_OPTIONS | {"loss_decay"},
+    build=_build, host=block_family_host, make_batch=block_family_batch, counts=lambda batch, draft, cfg: block_counts(batch), step=_step,
+    proposer=block_proposer, serving=Serving("block", ("vllm",), "dflash", architecture="DFlashDraftModel"), packs=True,
+)

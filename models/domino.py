@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
-from models.dflash import BlockBatch, DFlashConfig, DFlashDraft
+from models.dflash import BLOCK_OPTIONS, BlockBatch, DFlashConfig, DFlashDraft, block_counts, block_family_batch, block_family_host, block_proposer
+from models.family import Family, block_attention, pick_mask_token
 
 RAMP = 0.5  # fraction of training over which λ goes 0 -> 1
 
@@ -122,3 +123,21 @@ class DominoDraft(DFlashDraft):
         """Greedy drafts of one block: one parallel backbone forward, then K - 1 cheap GRU steps."""
         _, final = self.block_logits(anchor_id, anchor_pos, ctx_kv, embed_tokens, head_VH)
         return final.argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):
+    c = DominoConfig.from_target(target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    return DominoDraft(c)
+
+
+def _step(module, batch, counts, cfg, b, schedule):  # the schedule drives the base -> corrected curriculum
+    return module(batch, counts, progress=schedule, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+
+
+FAMILY = Family(
+    name="domino", config_cls=DominoConfig, draft_cls=DominoDraft, objectives=("ce",), options=BLOCK_OPTIONS | {"loss_decay"},
+    build=_build, host=block_family_host, make_batch=lambda feats, b, target, draft: block_family_batch(feats, b, target, draft, prev_embeds=True),
+    counts=lambda batch, draft, cfg: block_counts(batch), step=_step, proposer=block_proposer,
+    serving=None, packs=True,  # no engine loader (vLLM 0.32 has none)
+)

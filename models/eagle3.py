@@ -44,6 +44,8 @@ from data.vocab import draft_to_target
 from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+from models.family import Family, Serving, with_vocab
+from models.proposer import Proposer, Tree
 
 # TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
@@ -528,3 +530,118 @@ def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
 def param_count(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
+
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 drafting with KV cache; chain when topk == 1, else a top-k-per-depth tree."""
+
+    needs_aux = True
+
+    def __init__(self, draft: Eagle3Draft, embed_tokens, depth: int, topk: int = 1):
+        if depth < 1 or topk < 1:
+            raise ValueError("need depth >= 1 and topk >= 1")
+        self.draft, self.embed, self.depth, self.topk = draft.eval(), embed_tokens, depth, topk
+        self.name = f"eagle3-chain{depth}" if topk == 1 else f"eagle3-tree{topk}x{depth}"
+        self.draft_ids = draft.draft_ids
+        self.dtype = draft.fc.weight.dtype
+        self.past, self.n_real, self.h_last = None, 0, None
+
+    def _emb(self, tokens: list[int]):
+        w = self.embed.weight
+        return self.embed(torch.tensor([tokens], device=w.device)).to(self.dtype)
+
+    @torch.no_grad()
+    def _catch_up(self, ids: list[int], aux):
+        """Feed the committed positions n_real..N-2: draft position t gets fc(aux_t) and
+        embed(ids[t+1]); aux holds the rows of exactly those positions."""
+        N = len(ids)
+        if self.past is not None:  # drop speculative entries
+            self.past = tuple(x[:, :, : self.n_real] for x in self.past)
+        pos = torch.arange(self.n_real, N - 1, device=aux.device)[None]
+        hidden = self.draft.project(aux[None].to(self.dtype))
+        out, self.past = self.draft.decode(self._emb(ids[self.n_real + 1 : N]), hidden, pos, self.past)
+        self.n_real, self.h_last = N - 1, out[:, -1:]
+
+    def prefill(self, ids, aux):
+        self.past, self.n_real = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    @torch.no_grad()
+    def propose(self, ids) -> Tree:
+        N, k, d = len(ids), self.topk, self.draft
+        tree = Tree()
+        logp = d.logits(self.h_last[0, -1]).float().log_softmax(-1)  # [Vd]
+        top = logp.topk(k)
+        frontier = [(float(s), int(t), -1, self.h_last[:, -1:]) for s, t in zip(top.values, top.indices)]
+        # (score, draft token, parent node, parent's output [1, 1, H]) -> nodes of depth 1
+        past = self.past
+        fed: list[int] = []  # draft-cache slot (after the real entries) of each fed tree node, by node index
+        anc = []  # per node: list of ancestor node indices (incl. itself)
+        for depth in range(1, self.depth + 1):
+            nodes = []
+            for score, tok, parent, h_parent in frontier:
+                tree.tokens.append(int(self.draft_ids[tok]))
+                tree.parents.append(parent)
+                anc.append((anc[parent] if parent >= 0 else []) + [len(tree) - 1])
+                nodes.append((len(tree) - 1, score, h_parent))
+            if depth == self.depth:
+                break
+            # feed this depth's nodes at draft position N-2+depth
+            T = len(nodes)
+            L = past[0].shape[2]
+            mask = torch.zeros(1, 1, T, L + T, dtype=torch.bool, device=self.h_last.device)
+            mask[..., : self.n_real] = True
+            for r, (i, _, _) in enumerate(nodes):
+                for a in anc[i][:-1]:
+                    mask[0, 0, r, self.n_real + fed[a]] = True
+                mask[0, 0, r, L + r] = True
+            emb = self._emb([tree.tokens[i] for i, _, _ in nodes])
+            hid = d.carry(torch.cat([h for _, _, h in nodes], dim=1))  # EAGLE-3.1 norm_output carries norm(h)
+            pos = torch.full((1, T), N - 2 + depth, device=emb.device)
+            out, past = d.decode(emb, hid, pos, past, mask)
+            fed.extend(range(L - self.n_real, L - self.n_real + T))
+            lp = d.logits(out[0]).float().log_softmax(-1)  # [T, Vd]
+            cand = (torch.tensor([s for _, s, _ in nodes], device=lp.device)[:, None] + lp).flatten()
+            best = cand.topk(k)
+            frontier = []
+            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
+                r, tok = divmod(flat, lp.shape[1])
+                frontier.append((s, tok, nodes[r][0], out[:, r : r + 1]))
+        return tree
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):
+    moe = {k: getattr(cfg, k) for k in MOE_OPTIONS}  # MoE draft MLP
+    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe)
+    return with_vocab(Eagle3Draft(c), counts, cfg.draft_vocab_size)
+
+
+def _host(b, cfg, device, key, first=0):
+    if device.type == "cuda":  # host-chosen TTT rows: no nonzero() sync per step on the GPU
+        b["rows"] = select_rows(b["loss_mask"], cfg.ttt_length, doc_ids_BT=b.get("doc_ids"))
+    return b
+
+
+def _make_batch(feats, b, target, draft):
+    return make_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids, b.get("doc_ids"), b.get("position_ids"))
+
+
+def _step(module, batch, counts, cfg, b, schedule):
+    return module(batch, cfg.ttt_length, counts, attention=cfg.attention, loss=cfg.loss, rows=b.get("rows"), objective=cfg.objective)
+
+
+def _proposer(draft, model, depth, topk):
+    return Eagle3Proposer(draft, model.get_input_embeddings(), depth=depth or 3, topk=topk)
+
+
+MOE_OPTIONS = ("moe_experts", "moe_top_k", "moe_shared", "moe_mode", "moe_aux_coef")
+FAMILY = Family(
+    name="eagle3", config_cls=Eagle3Config, draft_cls=Eagle3Draft, objectives=OBJECTIVES,
+    options=frozenset({"draft_vocab_size", "fc_norm", "norm_output", *MOE_OPTIONS}),
+    build=_build, host=_host, make_batch=_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
+    step=_step, proposer=_proposer, serving=Serving("eagle3", ("vllm", "sglang"), "eagle3"), draft_vocab=True, packs=True, ttt_passes=True, decode_depth=True,
+)

@@ -4,8 +4,10 @@ lengths, rows that finish early (EOS, max_new_tokens) and rows that keep going."
 import pytest
 import torch
 
-from models.batched_chain import batched_chain_generate
-from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
+from batched_chain import batched_chain_generate
+from models.eagle3 import Eagle3Proposer
+from models.proposer import Proposer
+from speculative import TargetRunner, speculative_generate
 from tests.test_speculative import hf_greedy, one_thread, random_draft  # noqa: F401 (one_thread: autouse fixture)
 from tests.tiny import tiny_llama
 

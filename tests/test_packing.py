@@ -245,9 +245,9 @@ def test_peagle_packed_equals_one_conversation_per_row():
 
 # ---------------------------------------------------------------- every family through its strategy (what train.py runs)
 def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
 
-    s = STRATEGIES[name]
+    s = FAMILIES[name]
     b = s.host(dict(b), cfg, device, 3)  # draws seeded by (seed, key, example index), as in train.py
     b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
     feats = target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]) if "doc_ids" in b else target(
@@ -260,10 +260,10 @@ def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
     return loss.detach(), stats, counts, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
-FAMILIES = [("eagle3", "kl"), ("peagle", "kl"), ("dflash", "ce"), ("dflash", "dpace"), ("domino", "ce"), ("dspark", "ce-l1-conf")]
+OBJECTIVES = [("eagle3", "kl"), ("peagle", "kl"), ("dflash", "ce"), ("dflash", "dpace"), ("domino", "ce"), ("dspark", "ce-l1-conf")]
 
 
-@pytest.mark.parametrize("strategy,objective", FAMILIES)
+@pytest.mark.parametrize("strategy,objective", OBJECTIVES)
 def test_every_family_packed_equals_one_conversation_per_row(strategy, objective):
     """Each family that packs, through its strategy's host / make_batch / counts / step: the same conversations
     packed and one per row give the same loss, per-position sums, accuracies, counts and gradients (CPU:
@@ -273,7 +273,7 @@ def test_every_family_packed_equals_one_conversation_per_row(strategy, objective
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("strategy,objective", FAMILIES)
+@pytest.mark.parametrize("strategy,objective", OBJECTIVES)
 def test_every_family_packed_equals_one_conversation_per_row_cuda(strategy, objective):
     """The same on the GPU through flex (document block masks; EAGLE-3's host-chosen rows), fp32."""
     _family_packed_vs_rows(strategy, objective, "flex", torch.device("cuda"), 1e-3)
@@ -282,7 +282,7 @@ def test_every_family_packed_equals_one_conversation_per_row_cuda(strategy, obje
 def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
     from types import SimpleNamespace
 
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
     from train import TrainConfig
 
     cfg = TrainConfig(strategy=strategy, objective=objective, attention=attention, loss="torch", ttt_length=3, num_anchors=3,
@@ -290,12 +290,12 @@ def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
     target, _, ex = _draft_setup(seed=6)
     torch.manual_seed(1)
     tok = SimpleNamespace(all_special_ids=[], added_tokens_decoder={})
-    draft = STRATEGIES[strategy].build(cfg, target, torch.rand(target.config.vocab_size), tok)
+    draft = FAMILIES[strategy].build(cfg, target, torch.rand(target.config.vocab_size), tok)
     with torch.no_grad():  # away from the initial weights (norms 1, zero biases)
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
     packed = pack(ex, row_len=64)
-    assert STRATEGIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
+    assert FAMILIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
     target, draft = target.to(device), draft.to(device)
     a = _strategy_step(strategy, cfg, target, draft, collate(ex), device)
     b = _strategy_step(strategy, cfg, target, draft, packed, device)
@@ -342,21 +342,21 @@ def test_what_cannot_pack_is_named():
     """train.py packs only where documents stay apart: otherwise --pack on refuses and auto runs unpacked."""
     import dataclasses
 
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
     from train import TrainConfig, packing_blocker
 
     ok = TrainConfig()
-    assert packing_blocker(ok, STRATEGIES["eagle3"], "cpu", "sdpa") is None
-    assert all(packing_blocker(dataclasses.replace(ok, strategy=n), s, "cpu", None) is None for n, s in STRATEGIES.items())
+    assert packing_blocker(ok, FAMILIES["eagle3"], "cpu", "sdpa") is None
+    assert all(packing_blocker(dataclasses.replace(ok, strategy=n), s, "cpu", None) is None for n, s in FAMILIES.items())
     cases = [
-        (ok, dataclasses.replace(STRATEGIES["eagle3"], packs=False), "cpu", None, "does not keep packed documents apart"),
-        (dataclasses.replace(ok, compile=True), STRATEGIES["eagle3"], "cpu", None, "--compile with packed rows is untested"),
-        (dataclasses.replace(ok, attention="lse"), STRATEGIES["eagle3"], "cuda", None, "--attention lse has no document mask on the GPU"),
-        (ok, STRATEGIES["eagle3"], "cpu", "flash_attention_2", "'flash_attention_2' attention"),
+        (ok, dataclasses.replace(FAMILIES["eagle3"], packs=False), "cpu", None, "does not keep packed documents apart"),
+        (dataclasses.replace(ok, compile=True), FAMILIES["eagle3"], "cpu", None, "--compile with packed rows is untested"),
+        (dataclasses.replace(ok, attention="lse"), FAMILIES["eagle3"], "cuda", None, "--attention lse has no document mask on the GPU"),
+        (ok, FAMILIES["eagle3"], "cpu", "flash_attention_2", "'flash_attention_2' attention"),
     ]
     for cfg, strategy, kind, attn, message in cases:
         assert message in packing_blocker(cfg, strategy, kind, attn)
-    assert packing_blocker(dataclasses.replace(ok, attention="flex"), STRATEGIES["eagle3"], "cuda", "eager") is None
+    assert packing_blocker(dataclasses.replace(ok, attention="flex"), FAMILIES["eagle3"], "cuda", "eager") is None
 
 
 def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.speculative import Eagle3Proposer, NgramProposer, Proposer, TargetRunner, Tree, speculative_generate
+from models.eagle3 import Eagle3Proposer
+from models.proposer import Proposer, Tree
+from speculative import NgramProposer, TargetRunner, speculative_generate
 from models.target import Target
 from tests.tiny import tiny_llama
 

@@ -1,5 +1,6 @@
 """Speculative decoding of a Hugging Face target with a draft of any family (EAGLE-3 chain / tree,
-P-EAGLE parallel proposals, DFlash block proposals), in plain PyTorch: the
+P-EAGLE parallel proposals, DFlash block proposals; each family's proposer is in its models/ file),
+in plain PyTorch: the
 reference measurement of τ (tokens per target forward) that the serving engines are checked
 against. Greedy only, batch 1, both models with KV caches.
 
@@ -33,35 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.eagle3 import Eagle3Draft
-
-
-@dataclass
-class Tree:
-    """Draft tokens (target ids) and their parents (-1 = the root, i.e. the last committed
-    token); parents come before children. A chain is parents = [-1, 0, 1, ...]."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def depths(self) -> list[int]:
-        d = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
-
-    def ancestors_mask(self) -> torch.Tensor:
-        """bool [n, n]: row i attends node j iff j is i or an ancestor of i."""
-        n = len(self)
-        m = torch.zeros(n, n, dtype=torch.bool)
-        for i, p in enumerate(self.parents):
-            m[i, i] = True
-            if p >= 0:
-                m[i] |= m[p]
-        return m
+from models.families import FAMILIES
+from models.proposer import Proposer, Tree
 
 
 @dataclass
@@ -160,22 +134,6 @@ class TargetRunner:
         self.length = len(idx)
 
 
-class Proposer:
-    """No drafts: plain greedy decoding through the same loop (the τ = 1 baseline)."""
-
-    name = "none"
-    needs_aux = False
-
-    def prefill(self, ids: list[int], aux):
-        pass
-
-    def propose(self, ids: list[int]) -> Tree:
-        return Tree()
-
-    def commit(self, ids: list[int], aux):
-        pass
-
-
 class NgramProposer(Proposer):
     """Prompt lookup (Saxena 2023; vLLM's `ngram` method): find the most recent earlier
     occurrence of the longest suffix n-gram (max_n down to min_n) and propose the k tokens that
@@ -197,176 +155,11 @@ class NgramProposer(Proposer):
         return Tree()
 
 
-class Eagle3Proposer(Proposer):
-    """EAGLE-3 drafting with KV cache; chain when topk == 1, else a top-k-per-depth tree."""
-
-    needs_aux = True
-
-    def __init__(self, draft: Eagle3Draft, embed_tokens, depth: int, topk: int = 1):
-        if depth < 1 or topk < 1:
-            raise ValueError("need depth >= 1 and topk >= 1")
-        self.draft, self.embed, self.depth, self.topk = draft.eval(), embed_tokens, depth, topk
-        self.name = f"eagle3-chain{depth}" if topk == 1 else f"eagle3-tree{topk}x{depth}"
-        self.draft_ids = draft.draft_ids
-        self.dtype = draft.fc.weight.dtype
-        self.past, self.n_real, self.h_last = None, 0, None
-
-    def _emb(self, tokens: list[int]):
-        w = self.embed.weight
-        return self.embed(torch.tensor([tokens], device=w.device)).to(self.dtype)
-
-    @torch.no_grad()
-    def _catch_up(self, ids: list[int], aux):
-        """Feed the committed positions n_real..N-2: draft position t gets fc(aux_t) and
-        embed(ids[t+1]); aux holds the rows of exactly those positions."""
-        N = len(ids)
-        if self.past is not None:  # drop speculative entries
-            self.past = tuple(x[:, :, : self.n_real] for x in self.past)
-        pos = torch.arange(self.n_real, N - 1, device=aux.device)[None]
-        hidden = self.draft.project(aux[None].to(self.dtype))
-        out, self.past = self.draft.decode(self._emb(ids[self.n_real + 1 : N]), hidden, pos, self.past)
-        self.n_real, self.h_last = N - 1, out[:, -1:]
-
-    def prefill(self, ids, aux):
-        self.past, self.n_real = None, 0
-        self._catch_up(ids, aux)
-
-    def commit(self, ids, aux):
-        self._catch_up(ids, aux)
-
-    @torch.no_grad()
-    def propose(self, ids) -> Tree:
-        N, k, d = len(ids), self.topk, self.draft
-        tree = Tree()
-        logp = d.logits(self.h_last[0, -1]).float().log_softmax(-1)  # [Vd]
-        top = logp.topk(k)
-        frontier = [(float(s), int(t), -1, self.h_last[:, -1:]) for s, t in zip(top.values, top.indices)]
-        # (score, draft token, parent node, parent's output [1, 1, H]) -> nodes of depth 1
-        past = self.past
-        fed: list[int] = []  # draft-cache slot (after the real entries) of each fed tree node, by node index
-        anc = []  # per node: list of ancestor node indices (incl. itself)
-        for depth in range(1, self.depth + 1):
-            nodes = []
-            for score, tok, parent, h_parent in frontier:
-                tree.tokens.append(int(self.draft_ids[tok]))
-                tree.parents.append(parent)
-                anc.append((anc[parent] if parent >= 0 else []) + [len(tree) - 1])
-                nodes.append((len(tree) - 1, score, h_parent))
-            if depth == self.depth:
-                break
-            # feed this depth's nodes at draft position N-2+depth
-            T = len(nodes)
-            L = past[0].shape[2]
-            mask = torch.zeros(1, 1, T, L + T, dtype=torch.bool, device=self.h_last.device)
-            mask[..., : self.n_real] = True
-            for r, (i, _, _) in enumerate(nodes):
-                for a in anc[i][:-1]:
-                    mask[0, 0, r, self.n_real + fed[a]] = True
-                mask[0, 0, r, L + r] = True
-            emb = self._emb([tree.tokens[i] for i, _, _ in nodes])
-            hid = d.carry(torch.cat([h for _, _, h in nodes], dim=1))  # EAGLE-3.1 norm_output carries norm(h)
-            pos = torch.full((1, T), N - 2 + depth, device=emb.device)
-            out, past = d.decode(emb, hid, pos, past, mask)
-            fed.extend(range(L - self.n_real, L - self.n_real + T))
-            lp = d.logits(out[0]).float().log_softmax(-1)  # [T, Vd]
-            cand = (torch.tensor([s for _, s, _ in nodes], device=lp.device)[:, None] + lp).flatten()
-            best = cand.topk(k)
-            frontier = []
-            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
-                r, tok = divmod(flat, lp.shape[1])
-                frontier.append((s, tok, nodes[r][0], out[:, r : r + 1]))
-        return tree
-
-
-class PEagleProposer(Eagle3Proposer):
-    """P-EAGLE parallel drafting: the EAGLE-3 catch-up, then K tokens from one draft forward:
-    depth 0 from the last committed position's output, depths 1..K-1 from K-1 slots at positions
-    N-1 .. N+K-3 fed the mask token and fc(mask_hidden), attending the draft cache and causally
-    to each other (vLLM's parallel_drafting layout)."""
-
-    def __init__(self, draft, embed_tokens):
-        super().__init__(draft, embed_tokens, depth=draft.K)
-        self.name = f"peagle-parallel{draft.K}"
-
-    @torch.no_grad()
-    def propose(self, ids) -> Tree:
-        d, N, K = self.draft, len(ids), self.depth
-        toks = [int(d.logits(self.h_last[0, -1]).argmax())]
-        if K > 1:
-            emb = self._emb([d.config.mask_token_id] * (K - 1))
-            hid = d.project(d.mask_hidden.to(self.dtype)).expand(1, K - 1, -1)
-            pos = torch.arange(N - 1, N + K - 2, device=emb.device)[None]
-            out, _ = d.decode(emb, hid, pos, self.past)  # causal among the slots, full view of the cache
-            toks += d.logits(out[0]).argmax(-1).tolist()
-        return Tree([int(self.draft_ids[t]) for t in toks], list(range(-1, K - 1)))
-
-
-class BlockProposer(Proposer):
-    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at the newest
-    committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
-    committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
-    precompute) and extends it with the rows the target verified."""
-
-    needs_aux = True
-
-    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash"):
-        self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
-        self.name, self.depth = f"{family}-block{draft.K}", draft.K
-        self.kv, self.n_ctx = None, 0
-
-    @torch.no_grad()
-    def _catch_up(self, ids, aux):
-        N = len(ids)
-        ctx = self.draft.context(aux[None])
-        new = self.draft.context_kv(ctx, torch.arange(self.n_ctx, N - 1, device=ctx.device)[None])
-        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
-        self.n_ctx = N - 1
-
-    def prefill(self, ids, aux):
-        self.kv, self.n_ctx = None, 0
-        self._catch_up(ids, aux)
-
-    def commit(self, ids, aux):
-        self._catch_up(ids, aux)
-
-    def propose(self, ids) -> Tree:
-        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
-        return Tree(list(toks), list(range(-1, len(toks) - 1)))
-
-
-class DSparkProposer(BlockProposer):
-    """DSpark block drafting: the parallel backbone, then the Markov head left to right; the
-    confidence head's c_k (acceptance of drafted token k given its prefix) can cut the block
-    where the prefix survival Π_{j<=k} c_j drops below min_survival (DSpark's confidence-scheduled
-    verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K."""
-
-    def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0):
-        super().__init__(draft, embed_tokens, head_weight, "dspark")
-        if not 0.0 <= min_survival <= 1.0:
-            raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
-        self.min_survival = min_survival
-        self.confidence: list[list[float]] = []  # c_k of every proposed block
-
-    def propose(self, ids) -> Tree:
-        logits, conf = self.draft.block_logits(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
-        toks, survival = logits.argmax(-1).tolist(), conf.cumprod(0).tolist()
-        self.confidence.append(conf.tolist())
-        keep = len(toks) if self.min_survival <= 0 else sum(1 for s in survival if s >= self.min_survival)
-        return Tree(toks[:keep], list(range(-1, keep - 1)))
-
-
 def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Proposer:
     """The PyTorch proposer of a draft (any family) for an HF target `model`. depth / topk apply
     to EAGLE-3 (chain of `depth`, or a top-k tree); the other families draft the K tokens they
     were trained for."""
-    embed = model.get_input_embeddings()
-    if draft.family == "eagle3":
-        return Eagle3Proposer(draft, embed, depth=depth or 3, topk=topk)
-    if draft.family == "peagle":
-        return PEagleProposer(draft, embed)
-    if draft.family == "dspark":
-        return DSparkProposer(draft, embed, model.get_output_embeddings().weight)
-    return BlockProposer(draft, embed, model.get_output_embeddings().weight, draft.family)
+    return FAMILIES[draft.family].proposer(draft, model, depth, topk)
 
 
 @torch.no_grad()
