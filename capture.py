@@ -30,17 +30,12 @@ from pathlib import Path
 import torch
 
 from data.chat import DataError, to_messages
-from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, collate, load_records
+from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
+from distributed import all_sum, barrier, destroy, init_distributed, pick_device
+from features import capture_examples, target_identity
 from models.target import DEFAULT_TARGET, Target, fingerprint, load_tokenizer, resolve_target
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
-    return kind, DTYPES["bf16" if kind == "cuda" else "fp32"] if dtype == "auto" else DTYPES[dtype]
+from runlog import git_commit, hardware, run_metadata, versions
 
 
 # ====================================================================== features
@@ -69,52 +64,7 @@ class FeaturesConfig:
     device: str = "auto"
 
 
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped longest first into batches of at most batch_tokens padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + [cur] if cur else out
-
-
-@torch.no_grad()
-def capture_examples(target: Target, examples, batch_tokens: int, device) -> dict[str, torch.Tensor]:
-    """Run the target over examples; returns the shard tensors with samples packed along dim 0
-    in the given order: input_ids/loss_mask [N], aux_hidden [N, n_aux*H], final_hidden [N, H]."""
-    lengths = [len(e.input_ids) for e in examples]
-    aux, fin = [None] * len(examples), [None] * len(examples)
-    for batch in length_batches(lengths, batch_tokens):
-        b = collate([examples[i] for i in batch])
-        f = target(b["input_ids"].to(device), b["attention_mask"].to(device))
-        a, h = f.aux_hidden.cpu(), f.final_hidden.cpu()  # one copy per batch
-        for j, i in enumerate(batch):
-            aux[i], fin[i] = a[j, : lengths[i]], h[j, : lengths[i]]
-    return {
-        "input_ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),
-        "aux_hidden": torch.cat(aux),
-        "final_hidden": torch.cat(fin),
-    }
-
-
-def target_identity(target) -> dict:
-    """What makes features comparable: the weights (fingerprint) and the shape, not the path."""
-    c = target.config
-    fp = fingerprint(target.path) if target.path is not None else "unsaved"
-    return {"fingerprint": fp, "model_type": c.model_type, "num_layers": c.num_hidden_layers,
-            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
-
-
 def features(cfg: FeaturesConfig) -> dict:
-    import torch.distributed as dist
-
-    from runlog import run_metadata
-    from train import all_sum, init_distributed
-
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     t_start = time.time()
     rank, world, local = init_distributed(kind)
@@ -125,8 +75,7 @@ def features(cfg: FeaturesConfig) -> dict:
     try:
         if rank == 0:
             resolve_target(cfg.target)  # a GGUF is converted once, by rank 0
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         target_dir = resolve_target(cfg.target)
         tokenizer = load_tokenizer(target_dir)
         stats = Counter()
@@ -177,8 +126,7 @@ def features(cfg: FeaturesConfig) -> dict:
             print(json.dumps({"capture": res}), flush=True)
         return res
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
 
 
 # ====================================================================== regenerate
@@ -487,7 +435,7 @@ def _counts(records: list[dict], dropped: list[dict], source_total: int) -> dict
 
 
 def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
-    from models.fast_target import FAMILIES
+    from models.fast_target import FAMILIES  # fast_target imports flex attention and dynamo (seconds): regenerate only
 
     if engine not in ("auto", "slots", "hf"):
         raise SystemExit(f"error: --engine must be auto, slots or hf, got {engine!r}")
@@ -501,8 +449,6 @@ def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
 
 def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
-
-    from runlog import git_commit, hardware, versions
 
     t_start = time.time()
     deadline = t_start + cfg.time_limit if cfg.time_limit else None
@@ -535,7 +481,7 @@ def regenerate(cfg: RegenConfig) -> dict:
 
     engine = settings["engine"] = pick_engine(cfg.engine, target_dir, kind)
     if engine == "slots":
-        from models.fast_target import FastTarget
+        from models.fast_target import FastTarget  # (deferred: see pick_engine)
 
         model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
     else:
@@ -595,7 +541,7 @@ def regenerate(cfg: RegenConfig) -> dict:
         new_tok += sum(r["new_tokens"] for r in recs)
 
     if engine == "slots":
-        from models.generate import Sampling, SlotGenerator
+        from models.generate import Sampling, SlotGenerator  # (deferred: see pick_engine)
 
         gen = SlotGenerator(model, cfg.slots, cfg.max_prompt_len, cfg.max_new_tokens, stop_ids(model, tokenizer),
                             Sampling(cfg.temperature, cfg.top_p, cfg.top_k), seed=cfg.seed + len(done))

@@ -24,13 +24,16 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from config import DeployConfig, cli
 from data.chat import DataError
 from data.datasets import DEFAULT_DATA, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
 from data.packing import pack, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
-from disagg.config import DeployConfig, cli
+from disagg.roles import consumer_target
+from disagg.roles import main as disagg_main
+from distributed import all_sum, barrier, destroy, init_distributed
 from models.eagle3 import ATTENTION, LOSSES, param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
@@ -139,7 +142,7 @@ class TrainConfig:
     """progress bars (tokenizing, evaluation, training) on rank 0"""
     config: str = ""
     """YAML file with any of these options (underscored names; deployment ones under `deploy:` or at top level);
-    flags given with it override it (disagg/config.py)"""
+    flags given with it override it (config.py)"""
     deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
     """disaggregated online training: producer and consumer pools (disagg/)"""
 
@@ -289,23 +292,6 @@ def target_vocab_size(target_dir: Path) -> int | None:
     return c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
 
 
-def init_distributed(device_kind: str):
-    if "RANK" not in os.environ:
-        return 0, 1, 0
-    backend = "nccl" if device_kind == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
-    if device_kind == "cpu":  # share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    return rank, world, local
-
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-    return x
-
-
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     """Linear warmup then cosine down to min_lr_ratio * lr."""
     if step < cfg.warmup:
@@ -371,8 +357,6 @@ class Trainer:
         if cfg.features:
             self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
         elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
-            from disagg.roles import consumer_target
-
             self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
         elif cfg.backend == "compiled":
             from models.fast_target import FastTarget
@@ -402,8 +386,7 @@ class Trainer:
         return self.cfg.pack != "off" and why is None
 
     def barrier(self):
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
 
     def print(self, *a):
         if self.rank == 0:
@@ -778,13 +761,11 @@ def main(cfg: TrainConfig):
         check_out(cfg, int(os.environ.get("RANK", 0)))
         trainer = Trainer(cfg)
         res = trainer.train()
-        if dist.is_initialized():  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
-            dist.barrier()
+        barrier()  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
     return res
 
 
@@ -804,13 +785,11 @@ if __name__ == "__main__":
     cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
-        from disagg.roles import main as disagg_main
-
         try:
             if not cfg.deploy.role:  # the launcher: the options and --out before starting the pools (a consumer restarted
                 validate(cfg)       # by hand into its own --out resumes: disagg/roles.py)
                 check_out(cfg)
-            disagg_main(cfg)
+            disagg_main(cfg, Trainer)
         except (ConfigError, CheckpointError) as e:
             raise SystemExit(f"error: {e}") from None
     else:

@@ -28,10 +28,15 @@ from pathlib import Path
 
 import torch
 
+from config import dump_yaml
 from data.chat import DataError
 from data.datasets import GlobalBatches, build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
 from disagg.control import Controller, PipelineError, plan_items
+from disagg.mooncake_store import MooncakeFeatureStore, start_master
+from distributed import destroy, pick_device
+from features import capture_examples, target_identity
+from models.target import Target, default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +67,6 @@ def plan_fingerprint(cfg, train, evals, total: int) -> dict:
 
 def open_store(spec: str, schema: dict | None = None):
     if spec.startswith("mooncake://"):
-        from disagg.mooncake_store import MooncakeFeatureStore
-
         return MooncakeFeatureStore(spec, schema)
     return FeatureStore(spec, schema)
 
@@ -90,9 +93,6 @@ class Heartbeat(threading.Thread):
 
 
 def produce(cfg):
-    from capture import capture_examples, pick_device, target_identity
-    from models.target import Target, load_tokenizer, resolve_target
-
     d = cfg.deploy
     kind, dtype = pick_device(cfg.device, "auto")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
@@ -156,16 +156,14 @@ def produce(cfg):
 # ====================================================================== consumer
 def consumer_target(target_dir, aux_layers, dtype, device):
     """The consumer needs only the target's embeddings and lm_head (producers run the rest)."""
-    from transformers import AutoConfig
-
-    from models.target import default_aux_layers, load_heads
+    from transformers import AutoConfig  # heavy, and only a consumer needs it here
 
     layers = list(aux_layers) or default_aux_layers(AutoConfig.from_pretrained(target_dir).num_hidden_layers)
     return load_heads(target_dir, layers, dtype, device)
 
 
-def consumer_class():
-    from train import Trainer
+def consumer_class(Trainer):
+    """train.py's Trainer (passed in: disagg/ does not import the entry script) with the consumer's hooks."""
 
     class Consumer(Trainer):
         """Trainer whose features come from the producers, one optimizer step at a time."""
@@ -181,8 +179,6 @@ def consumer_class():
         def _open_store(self):
             with self._lock:  # the prefetch thread and the main thread may both get here first
                 if self.store is None:
-                    from models.target import fingerprint
-
                     store = open_store(store_spec(self.cfg))
                     want = store.schema["target"]["fingerprint"]
                     if want != fingerprint(self.target.path) or store.schema["aux_layers"] != self.target.aux_layers:
@@ -249,23 +245,18 @@ def consumer_class():
     return Consumer
 
 
-def consume(cfg):
+def consume(cfg, Trainer):
     try:
-        trainer = consumer_class()(cfg)
+        trainer = consumer_class(Trainer)(cfg)
         return trainer.train()
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
 
 
 # ====================================================================== launcher
 def launch(cfg):
     """One node, both pools: start the producers and the consumer ranks, supervise them, and
     fail the run (stopping everyone) if the consumer fails."""
-    from disagg.config import dump_yaml
-
     d = cfg.deploy
     root = control_dir(cfg)
     if not cfg.resume:  # a fresh run: no leases, refs or ledger of an earlier one (a --store of yours is left alone)
@@ -274,8 +265,6 @@ def launch(cfg):
     root.mkdir(parents=True, exist_ok=True)
     master = None
     if d.store == "mooncake://local":
-        from disagg.mooncake_store import start_master
-
         master, store = start_master(root)
         cfg = dataclasses.replace(cfg, deploy=dataclasses.replace(d, store=store))
         d = cfg.deploy
@@ -321,14 +310,14 @@ def launch(cfg):
             master.wait()
 
 
-def main(cfg):
-    """train.py's entry for --role / --producers."""
+def main(cfg, Trainer):
+    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks."""
     role = cfg.deploy.role
     try:
         if role == "producer":
             return produce(cfg)
         if role == "consumer":
-            return consume(cfg)
+            return consume(cfg, Trainer)
         return launch(cfg)
     except (PipelineError, DataError, FileNotFoundError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}") from None

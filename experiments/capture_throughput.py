@@ -13,7 +13,7 @@ Per (target, seq) it reports
   fwd_tok_s      target forward with the aux-layer hooks (capture.Target), features left on
                  the GPU: CUDA-event time, median of --reps after --warmup
   capture_tok_s  what `capture.py features` does per shard: forward + copy to the host +
-                 packing (capture.capture_examples) + FeatureStore.put (safetensors, fsync,
+                 packing (features.capture_examples) + FeatureStore.put (safetensors, fsync,
                  rename) on --store-dir; wall time, median of --reps shards, shards deleted after
   bytes_per_token  shard bytes / tokens (input_ids int32 + loss_mask u8 + (n_aux + 1) * H bf16)
   write_gb_s     shard bytes / put() time
@@ -106,9 +106,9 @@ def main():
     args = parse_args()
     import torch
 
-    from capture import capture_examples
     from data.chat import Example
     from data.feature_store import FeatureStore, feature_schema
+    from features import capture_examples
     from models.target import Target
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

@@ -56,7 +56,8 @@ def main():
     a = ap.parse_args()
 
     from export import open_draft
-    from train import Trainer, TrainConfig, run_metadata
+    from runlog import run_metadata
+    from train import Trainer, TrainConfig
 
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())

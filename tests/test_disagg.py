@@ -129,7 +129,7 @@ def test_rollback_requeues_untrained_steps(tmp_path):
 
 
 def test_yaml_config_with_overrides(tmp_path):
-    from disagg.config import cli
+    from config import cli
     from train import TrainConfig
 
     y = tmp_path / "run.yaml"
