@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # library modules; every other module is an entry script
-LIBRARY = ("config", "distributed", "features", "runlog", "strategies", "data", "disagg", "kernels", "models")
+LIBRARY = ("batched_chain", "config", "distributed", "features", "runlog", "speculative", "data", "disagg", "kernels", "models")
 
 
 def module_name(rel: Path) -> str:
