@@ -12,8 +12,8 @@ from data.chat import DataError, Example, check_template, to_messages, tokenize_
 
 SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT answers)
 # The same prompts with every assistant turn rewritten by SmolLM2-135M-Instruct itself (capture.py
-# regenerate on an H200; settings and counts in its provenance JSON): the default training set,
-# since a draft learns best from text its target would actually produce.
+# regenerate on an H200; settings and counts in its provenance JSON): the training default (v1 here, v3
+# below since), since a draft learns best from text its target would actually produce.
 SHAREGPT_REGEN = "sharegpt-regen"  # v1: 3,390 chats, sampled at temperature 0.8, HF generate
 REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
 # v3, the default: 16,808 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);

@@ -7,14 +7,14 @@ Targets: SmolLM2-135M-Instruct (the packaged GGUF, dequantised to bf16) and a ra
 model shaped like Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256),
 built on the meta device, then to_empty() on the GPU and initialised there (normal(0, 0.02)
 matrices, unit norms, rotary tables rebuilt). Inputs: random token ids, full sequences of
---seqs tokens (no padding), --batch-tokens tokens per forward.
+--max-len tokens (no padding), --batch-tokens tokens per forward.
 
 Per (target, seq) it reports
   fwd_tok_s      target forward with the aux-layer hooks (capture.Target), features left on
-                 the GPU: CUDA-event time, median of --reps after --warmup
+                 the GPU: CUDA-event time, median of --iters after --warmup
   capture_tok_s  what `capture.py features` does per shard: forward + copy to the host +
                  packing (features.capture_examples) + FeatureStore.put (safetensors, fsync,
-                 rename) on --store-dir; wall time, median of --reps shards, shards deleted after
+                 rename) on --store-dir; wall time, median of --iters shards, shards deleted after
   bytes_per_token  shard bytes / tokens (input_ids int32 + loss_mask u8 + (n_aux + 1) * H bf16)
   write_gb_s     shard bytes / put() time
   peak_gib       torch.cuda.max_memory_allocated() during the forward
@@ -22,7 +22,7 @@ Correctness, inline: on one short sequence the captured aux/final hidden states 
 output_hidden_states[i + 1] and lm_head(final) equals HF's logits (max rel. error printed).
 Every measurement prints a row and appends one JSON line (hardware, versions, commit) to --out.
 """
-import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,18 +47,26 @@ LLAMA_8B_SMOKE = {**LLAMA_8B, "hidden_size": 128, "intermediate_size": 256,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "num_hidden_layers": 8}
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (fp32) to test the script")
-    ap.add_argument("--targets", nargs="*", default=["smollm2", "llama8b"], choices=["smollm2", "llama8b"])
-    ap.add_argument("--smollm2", default="smollm2", help="SmolLM2 target: a .gguf path, an HF dir, or 'smollm2' (packaged)")
-    ap.add_argument("--seqs", nargs="*", type=int, default=None, help="default 4096 (smoke: 128)")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward, default 32768 (smoke: 512)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions, default 5 (smoke: 2)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--store-dir", type=Path, default=None, help="where shards are written (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=None, help="JSONL to append to (default experiments/results/capture_h200.jsonl; smoke: $TMPDIR/capture_smoke.jsonl)")
-    return ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    target: tuple[Literal["smollm2", "llama8b"], ...] = ("smollm2", "llama8b")
+    """which targets: SmolLM2 (--smollm2) and a random-weight Llama-3.1-8B shape"""
+    smollm2: str = "smollm2"
+    """the SmolLM2 target: a .gguf path, an HF dir, or 'smollm2' (packaged)"""
+    max_len: tuple[int, ...] = ()
+    """tokens per sequence (default 4096; --smoke: 128)"""
+    batch_tokens: int = 0
+    """tokens per forward (0 = 32768; --smoke: 512)"""
+    iters: int = 0
+    """timed repetitions (0 = 5; --smoke: 2)"""
+    warmup: int = 2
+    """untimed repetitions first"""
+    store_dir: Path | None = None
+    """where shards are written (default: a temp dir)"""
+    out: Path | None = None
+    """JSONL to append to (default experiments/results/capture_h200.jsonl; --smoke: $TMPDIR/capture_smoke.jsonl)"""
+    smoke: bool = False
+    """tiny shapes on CPU (fp32) to test the script"""
 
 
 def random_llama(shape: dict, device, dtype):
@@ -102,8 +113,7 @@ def env_info(device) -> dict:
     return info
 
 
-def main():
-    args = parse_args()
+def main(args: Args):
     import torch
 
     from data.chat import Example
@@ -113,9 +123,9 @@ def main():
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    seqs = args.seqs or ([128] if args.smoke else [4096])
+    seqs = args.max_len or ([128] if args.smoke else [4096])
     batch_tokens = args.batch_tokens or (512 if args.smoke else 32768)
-    reps = args.reps or (2 if args.smoke else 5)
+    reps = args.iters or (2 if args.smoke else 5)
     out = args.out or (Path(tempfile.gettempdir()) / "capture_smoke.jsonl" if args.smoke else ROOT / "experiments" / "results" / "capture_h200.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     info = env_info(device)
@@ -128,7 +138,7 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for name in args.targets:
+    for name in args.target:
         t0 = time.time()
         if name == "smollm2":
             target = Target.load(args.smollm2, None, dtype, device)
@@ -217,4 +227,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -11,13 +11,15 @@ included). Appends one JSON row per mode to experiments/results/disagg_throughpu
 the figure is disagg_throughput_cpu.png. The loss curves of the modes are compared inline (the
 disaggregated run must follow the colocated one).
 """
-import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,11 +68,15 @@ def plot():
     print(f"wrote {FIG}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--plot", action="store_true")
-    ap.add_argument("--out", default="runs/disagg_throughput")
-    args = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    out: str = "runs/disagg_throughput"
+    """run directories of the modes (one subdirectory each)"""
+    plot: bool = False
+    """only redraw the figure from the JSONL"""
+
+
+def main(args: Args):
     if not args.plot:
         from runlog import git_commit, hardware, versions
 
@@ -97,4 +103,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -2,7 +2,7 @@
 on the same held-out chats, counted over all assistant tokens, over the tokens past a loop's first
 repeat (data/loops.py) and over the rest.
 
-    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.gz --first 6752 -n 48
+    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.gz --first 6752 --holdout 48
 
 The chats are taken evenly spaced from --data after skipping the first --first records (for the shipped draft:
 the 6,752 it trained on come first in data/sharegpt_smollm2_greedy), so none was seen in
@@ -10,7 +10,6 @@ training. The held-out evaluation is train.py's own (Trainer.evaluate, same mask
 counts), run once per token subset with the loss mask narrowed to it. One JSON row goes to
 --out (default experiments/results/useful_draft/loop_acc.jsonl).
 """
-import argparse
 import dataclasses
 import gzip
 import json
@@ -18,8 +17,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,16 +46,21 @@ def loop_positions(ids: list[int], mask: list[int]) -> list[int]:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("draft", help="a serving dir, run dir or checkpoint (EAGLE-3)")
-    ap.add_argument("--data", default=str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz"))
-    ap.add_argument("--first", type=int, default=6752, help="records to skip (the draft's training data)")
-    ap.add_argument("-n", type=int, default=48, help="chats to evaluate")
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--out", default=str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl"))
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    draft: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="DRAFT")]
+    """a serving dir, run dir or checkpoint (EAGLE-3)"""
+    data: str = str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz")
+    """chats (.jsonl or .jsonl.gz)"""
+    first: int = 6752
+    """records to skip (the draft's training data)"""
+    holdout: int = 48
+    """held-out chats to evaluate"""
+    max_len: int = 1024
+    out: str = str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl")
 
+
+def main(a: Args):
     from export import open_draft
     from runlog import run_metadata
     from train import Trainer, TrainConfig
@@ -64,13 +70,13 @@ def main():
     with gzip.open(a.data, "rt") if a.data.endswith(".gz") else open(a.data) as f:
         rest = [line for i, line in enumerate(f) if i >= a.first]
     # evenly spaced: regenerated files are in finishing order, short replies first within each window
-    # (a third more than -n: some chats have nothing trainable within --max-len)
-    m = a.n * 4 // 3 + 1
+    # (a third more than --holdout: some chats have nothing trainable within --max-len)
+    m = a.holdout * 4 // 3 + 1
     rows = [rest[i * len(rest) // m] for i in range(m)]
     (tmp / "chats.jsonl").write_text("".join(rows))
     # train.py builds the target, tokenizes and holds the chats out exactly as in training; the rest
     # form the "training" split (it only sets the draft vocabulary, which the loaded draft replaces)
-    cfg = TrainConfig(data=str(tmp / "chats.jsonl"), num_records=0, holdout=a.n, max_len=a.max_len,
+    cfg = TrainConfig(data=str(tmp / "chats.jsonl"), num_records=0, holdout=a.holdout, max_len=a.max_len,
                       out=str(tmp / "run"), device="cpu", batch_size=1, eval_batch_size=4, progress=False)
     tr = Trainer(cfg)
     draft, _ = open_draft(a.draft)
@@ -103,4 +109,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

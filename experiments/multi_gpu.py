@@ -2,9 +2,9 @@
 producer/consumer split, each as train.py runs on random-weight targets, timed back to back.
 
     python experiments/multi_gpu.py stage                       # on the CPU machine: .stage/tok (carry it)
-    bash .device/run_on_device.sh python3 experiments/multi_gpu.py tests parity dp --out-dir $OUT
-    bash .device/run_on_device.sh python3 experiments/multi_gpu.py disagg tp --out-dir $OUT
-    python experiments/multi_gpu.py all --cpu-smoke --out-dir /tmp/mg   # tiny models, 2 gloo ranks: checks the script
+    bash .device/run_on_device.sh python3 experiments/multi_gpu.py tests parity dp --out $OUT
+    bash .device/run_on_device.sh python3 experiments/multi_gpu.py disagg tp --out $OUT
+    python experiments/multi_gpu.py all --cpu-smoke --out /tmp/mg   # tiny models, 2 gloo ranks: checks the script
 
 Phases (any subset, run in this order; `all` = every one):
   tests   pytest -m cuda tests/test_tensor_parallel.py under NCCL (TP=2 hidden states vs one rank, bf16)
@@ -25,10 +25,10 @@ tokens_per_s (real, unpadded tokens over the timed steps, train.py's own count s
 row_tokens_per_s (the rows the GPUs compute, padding included),
 peak_gib (rank 0's torch.cuda.max_memory_allocated, from run.json) and per GPU the largest memory.used
 and the mean utilization.gpu that nvidia-smi saw (sampled every second). Every phase has a timeout and
-writes its rows to --out-dir/multi_gpu_h200x2.jsonl as soon as a run ends; a killed run still gives a
-row from the steps it logged. The run logs, run.json and metrics.jsonl files go to --out-dir/PHASE/.
+writes its rows to --out/multi_gpu_h200x2.jsonl as soon as a run ends; a killed run still gives a
+row from the steps it logged. The run logs, run.json and metrics.jsonl files go to --out/PHASE/.
 """
-import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -41,6 +41,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,11 +83,11 @@ NEEDS = {"parity": ["parity"], "dp": ["llama8b"], "tp": ["qwen30b"], "disagg": [
 # ------------------------------------------------------------------------------------ processes
 class Runner:
     """Launches commands with a deadline, each in its own process group (a timeout kills the whole
-    torchrun tree), logs them under --out-dir, and appends result rows."""
+    torchrun tree), logs them under --out, and appends result rows."""
 
     def __init__(self, args, env: dict):
         self.args, self.env, self.lock = args, env, threading.Lock()
-        self.out = Path(args.out_dir)
+        self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.deadline = time.time() + args.budget_s
         self.gpu = GpuMonitor() if not args.cpu_smoke else None
@@ -282,7 +285,7 @@ def parse(rows, batch, seq, warmup) -> dict:
 def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str], deadline: float, *, batch: int, seq: int,
               env: dict | None = None, extra: dict | None = None, cmd: list[str] | None = None) -> dict:
     """One train.py run (torchrun over nproc ranks, or `cmd`): launch, parse, copy its small files to
-    --out-dir/PHASE/TAG, write its row."""
+    --out/PHASE/TAG, write its row."""
     out = Path(flags[flags.index("--out") + 1])
     shutil.rmtree(out, ignore_errors=True)  # an earlier run's metrics must not pass for this one's (a killed run writes none)
     cmd = cmd or train_cmd(nproc, flags)
@@ -368,11 +371,11 @@ def loss_parity(two: list[float], one: list[float], rtol: float) -> dict:
 def dims(args) -> dict:
     if args.cpu_smoke:
         return {"seq": 128, "ttt": 3, "draft_vocab": 8192}
-    return {"seq": args.seq, "ttt": args.ttt, "draft_vocab": 32000}
+    return {"seq": args.max_len, "ttt": args.ttt_length, "draft_vocab": 32000}
 
 
 def phase_dp(runner: Runner, deadline: float) -> dict:
-    """2 GPUs (FSDP2 draft, the target replicated) at --batch per GPU, then 1 GPU at --batch."""
+    """2 GPUs (FSDP2 draft, the target replicated) at --batch-per-gpu per GPU, then 1 GPU at --batch-per-gpu."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("llama8b", deadline)
     if "error" in t:
@@ -380,13 +383,13 @@ def phase_dp(runner: Runner, deadline: float) -> dict:
     model = runner.configs["llama8b"][1]
     res = {}
     for n in (2, 1):
-        B = args.batch * n
+        B = args.batch_per_gpu * n
         flags = train_flags(args, t["path"], WORK / "runs" / f"dp{n}", B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"])
         res[n] = timed_run(runner, "dp", f"{n}gpu", n, flags, deadline, batch=B, seq=d["seq"],
                            env={"CUDA_VISIBLE_DEVICES": "0"} if n == 1 else None,
-                           extra={"model": model, "ttt": d["ttt"], "batch_per_gpu": args.batch, "target_write_s": t.get("write_s")})
+                           extra={"model": model, "ttt": d["ttt"], "batch_per_gpu": args.batch_per_gpu, "target_write_s": t.get("write_s")})
     if res[1].get("tokens_per_s") and res[2].get("tokens_per_s"):
-        runner.write({"what": "dp_scaling", "gpus": 2, "model": model, "seq": d["seq"], "ttt": d["ttt"], "batch_per_gpu": args.batch,
+        runner.write({"what": "dp_scaling", "gpus": 2, "model": model, "seq": d["seq"], "ttt": d["ttt"], "batch_per_gpu": args.batch_per_gpu,
                       "speedup_real_tokens": round(res[2]["tokens_per_s"] / res[1]["tokens_per_s"], 3),
                       "speedup_rows": round(res[2]["row_tokens_per_s"] / res[1]["row_tokens_per_s"], 3), "goal": 1.9,
                       "tokens_per_s": res[2]["tokens_per_s"], "tokens_per_s_1gpu": res[1]["tokens_per_s"],
@@ -395,9 +398,9 @@ def phase_dp(runner: Runner, deadline: float) -> dict:
 
 
 def phase_tp(runner: Runner, deadline: float):
-    """Two GPUs two ways, each GPU training the draft on --batch sequences per step: --tp 2 (one TP group
-    runs the target on one global batch of --batch, half the weights per GPU; both ranks train the draft
-    on the same batch, FSDP2) and data parallel (a full target copy per GPU, global batch 2 x --batch).
+    """Two GPUs two ways, each GPU training the draft on --batch-per-gpu sequences per step: --tp 2 (one TP group
+    runs the target on one global batch of --batch-per-gpu, half the weights per GPU; both ranks train the draft
+    on the same batch, FSDP2) and data parallel (a full target copy per GPU, global batch 2 x --batch-per-gpu).
     The per-GPU draft shapes are the same, so the second run reuses the first's compiled draft step."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("qwen30b", deadline)
@@ -405,14 +408,14 @@ def phase_tp(runner: Runner, deadline: float):
         return runner.write({"what": "tp", "error": t["error"]})
     model = runner.configs["qwen30b"][1]
     res = {}
-    for tag, tp, B in (("tp2", ["--tp", "2"], args.batch), ("dp2", [], 2 * args.batch)):
+    for tag, tp, B in (("tp2", ["--tp", "2"], args.batch_per_gpu), ("dp2", [], 2 * args.batch_per_gpu)):
         flags = train_flags(args, t["path"], WORK / "runs" / f"qwen_{tag}", B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"]) + tp
         res[tag] = timed_run(runner, "tp", tag, 2, flags, deadline, batch=B, seq=d["seq"],
                              extra={"model": model, "ttt": d["ttt"], "tp": 2 if tp else 1, "target_write_s": t.get("write_s"),
                                     "target_gib": t.get("gib")})
     a, b = res["tp2"], res["dp2"]
     if a.get("tokens_per_s") and b.get("tokens_per_s"):
-        runner.write({"what": "tp_vs_dp", "gpus": 2, "model": model, "global_batch_tp": args.batch, "global_batch_dp": 2 * args.batch, "tokens_per_s": a["tokens_per_s"],
+        runner.write({"what": "tp_vs_dp", "gpus": 2, "model": model, "global_batch_tp": args.batch_per_gpu, "global_batch_dp": 2 * args.batch_per_gpu, "tokens_per_s": a["tokens_per_s"],
                       "tokens_per_s_dp": b["tokens_per_s"], "tp_over_dp": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
                       "peak_gib": a["peak_gib"], "peak_gib_dp": b["peak_gib"]})
 
@@ -420,13 +423,13 @@ def phase_tp(runner: Runner, deadline: float):
 def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     """Producer (train.py --role producer: HF target, bf16) on GPU 0, consumer (--role consumer: the draft
     step, compiled) on GPU 1, meeting in a control database and a feature store under /tmp. The consumer
-    trains --batch sequences per step, the draft shapes of the colocated 2-GPU DP run's ranks (its row
+    trains --batch-per-gpu sequences per step, the draft shapes of the colocated 2-GPU DP run's ranks (its row
     is taken from the dp phase, or it is run here), whose compiled step it reuses."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("llama8b", deadline)
     if "error" in t:
         return runner.write({"what": "disagg", "error": t["error"]})
-    model, B = runner.configs["llama8b"][1], args.batch
+    model, B = runner.configs["llama8b"][1], args.batch_per_gpu
     root = WORK / "runs" / "disagg"
     shutil.rmtree(root, ignore_errors=True)
     control, store = root / "control", root / "features"
@@ -529,38 +532,50 @@ def stage_tokenizer(dest: Path):
     print(f"wrote {dest} ({sum(f.stat().st_size for f in dest.iterdir()) / 2**20:.1f} MiB): carry '.stage/tok'")
 
 
+@dataclasses.dataclass
+class Args:
+    phases: tyro.conf.Positional[tuple[Literal["tests", "parity", "dp", "disagg", "tp", "all", "stage"], ...]]
+    """phases to run (in the order above whatever the order given), 'all', or 'stage' (CPU machine: write .stage/tok)"""
+    out: Path | None = None
+    """rows, logs and copies of each run's metrics (the device's $OUT); required but for stage"""
+    budget_s: float = 0
+    """stop everything after this many seconds (0 = 540: a device call of 570 s, less the launcher's wheel install
+    and the kill; --cpu-smoke: 1800)"""
+    steps: int = 12
+    """optimizer steps per timed run"""
+    warmup: int = 4
+    """first steps dropped from the timing (compilation); train.py's LR warm-up is 2 steps"""
+    batch_per_gpu: int = 4
+    """sequences per GPU (8B: ~50 GiB per GPU at --max-len 4096, TTT 7); train.py --batch-size is this times the data-parallel ranks"""
+    max_len: int = 4096
+    ttt_length: int = 7
+    qwen_layers: int = 24
+    """layers of the Qwen3-30B-A3B-shaped target (48 = all; per-layer shapes exact)"""
+    data: str = "sharegpt-greedy"
+    """train.py --data (the packaged chats)"""
+    compile: bool = True
+    """train.py --compile in every run (never on --cpu-smoke, where compiling takes minutes per run)"""
+    train_args: str = ""
+    """extra train.py flags for every run, one string (shell-split), e.g. --train-args='--attention flex_buf'"""
+    disagg_args: str = ""
+    """extra flags of the producer and consumer, e.g. --disagg-args='--high-watermark 16 --low-watermark 8'"""
+    tokenizer: Path = TOK
+    """tokenizer dir for the random targets"""
+    cpu_smoke: bool = False
+    """tiny models, 2 gloo ranks on CPU, fp32: checks the script end to end"""
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("phases", nargs="+", help=f"any of {', '.join(PHASES)}, 'all', or 'stage' (CPU machine: write .stage/tok)")
-    ap.add_argument("--out-dir", type=Path, default=None, help="rows, logs and copies of each run's metrics (the device's $OUT)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="stop everything after this many seconds (default 540: a device call of 570 s, less the launcher's wheel "
-                         "install and the kill; --cpu-smoke: 1800)")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per timed run")
-    ap.add_argument("--warmup", type=int, default=4, help="first steps dropped from the timing (compilation)")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU (8B: ~50 GiB per GPU at seq 4096, TTT 7)")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--qwen-layers", type=int, default=24, help="layers of the Qwen3-30B-A3B-shaped target (48 = all; per-layer shapes exact)")
-    ap.add_argument("--data", default="sharegpt-greedy", help="train.py --data (the packaged chats)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="train.py --compile in every run (default: on; off on --cpu-smoke, where compiling takes minutes per run)")
-    ap.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--attention flex_buf'")
-    ap.add_argument("--disagg-args", default="", help="extra flags of the producer and consumer, e.g. '--high-watermark 16 --low-watermark 8'")
-    ap.add_argument("--tokenizer", type=Path, default=TOK, help="tokenizer dir for the random targets (default .stage/tok)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, 2 gloo ranks on CPU, fp32: checks the script end to end")
-    args = ap.parse_args(argv)
-    if args.phases == ["stage"]:
+    args = tyro.cli(Args, args=argv, description=__doc__)
+    if args.phases == ("stage",):
         return stage_tokenizer(TOK)
-    phases = list(PHASES) if args.phases == ["all"] else args.phases
-    bad = [p for p in phases if p not in PHASES]
-    if bad or args.out_dir is None:
-        ap.error(f"unknown phase(s) {bad}: choose from {', '.join(PHASES)} or all" if bad else "--out-dir is required")
-    phases = [p for p in PHASES if p in phases]
-    if args.compile is None:
-        args.compile = not args.cpu_smoke
-    if args.budget_s is None:
-        args.budget_s = 1800 if args.cpu_smoke else 540
+    if not args.phases or "stage" in args.phases:
+        raise SystemExit("name the phases to run, all, or stage alone")
+    if args.out is None:
+        raise SystemExit("--out is required")
+    phases = [p for p in PHASES if p in args.phases or "all" in args.phases]
+    args.compile = args.compile and not args.cpu_smoke
+    args.budget_s = args.budget_s or (1800 if args.cpu_smoke else 540)
     if not args.tokenizer.is_dir() and not args.cpu_smoke:
         raise SystemExit(f"no tokenizer at {args.tokenizer}: run `python experiments/multi_gpu.py stage` on the CPU machine "
                          "and carry '.stage/tok'")
@@ -659,7 +674,7 @@ def previous_colocated(runner: Runner, args) -> dict | None:
     d = dims(args)
     for r in reversed([json.loads(l) for l in open(f) if l.strip()]):
         if (r.get("what") == "dp" and r.get("gpus") == 2 and r.get("tokens_per_s") and r.get("seq") == d["seq"] and r.get("ttt") == d["ttt"]
-                and r.get("batch") == 2 * args.batch and r.get("steps_logged") == args.steps):
+                and r.get("batch") == 2 * args.batch_per_gpu and r.get("steps_logged") == args.steps):
             return r
     return None
 

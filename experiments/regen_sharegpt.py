@@ -4,8 +4,8 @@ stops cleanly at --time-limit, and the next call resumes from what the last one 
 
     # once, here on the CPU: the prompt subset the GPU calls read (~3 MB, carried)
     ./dev python experiments/regen_sharegpt.py prepare --state .stage/regen
-    # each GPU call (carry .stage/regen; the results come back from --out-dir)
-    python3 experiments/regen_sharegpt.py run --state .stage/regen --out-dir $OUT \\
+    # each GPU call (carry .stage/regen; the results come back from --out)
+    python3 experiments/regen_sharegpt.py run --state .stage/regen --out $OUT \\
         --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --time-limit 480
     # between calls: copy the returned regen.jsonl.gz, regen.dropped.jsonl, regen.provenance.json
     # into .stage/regen/ so the next call skips what is done
@@ -17,10 +17,10 @@ makes a 135M model loop), 384 conversations per batch, bf16 on the GPU. Expected
 14k turns, ~7.5 MB gzipped (measured with ShareGPT's own answers cut at 2000 chars as a
 stand-in); a guard stops the run once the JSONL passes 36 MB (~9.5 MB gzipped at the measured
 3.8x) so the result stays under 10 MB whatever the answer lengths. Time: unknown until the first
-call prints tok/s; HF generate at ~15-35 ms a step puts it at 6-18 minutes. Needs no tyro or
-datasets on the GPU box; `gguf` for the GGUF target.
+call prints tok/s; HF generate at ~15-35 ms a step puts it at 6-18 minutes. Needs no `datasets`
+on the GPU box; `gguf` for the GGUF target.
 """
-import argparse
+import dataclasses
 import gzip
 import itertools
 import json
@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -223,29 +225,63 @@ def smoke():
               f"{time.time() - t0:.0f} s (CPU)", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "run", "bench", "finalize", "smoke"])
-    ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="finalize: regenerated JSONL(.gz) files to merge")
-    ap.add_argument("--dropped", type=Path, nargs="*", default=[], help="finalize: their regen.dropped.jsonl files")
-    ap.add_argument("--bench-n", type=int, default=512, help="bench: conversations")
-    ap.add_argument("--state", type=Path, default=ROOT / ".stage" / "regen")
-    ap.add_argument("--out-dir", type=Path, default=None, help="where the results go (default: --state)")
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--time-limit", type=float, default=480, help="seconds for this call, model loading included")
-    ap.add_argument("--batch-size", type=int, default=PRESET["batch_size"])
-    args = ap.parse_args()
-    if args.cmd == "prepare":
-        prepare(args.state, PRESET["num_records"], PRESET["max_turns"])
-    elif args.cmd == "run":
-        run(args.state, args.out_dir or args.state, args.target, args.time_limit, {**PRESET, "batch_size": args.batch_size})
-    elif args.cmd == "finalize":
-        finalize(args.inputs, args.dropped, args.out_dir or args.state, args.target)
-    elif args.cmd == "bench":
-        bench(args.state, args.out_dir or args.state, args.target, args.bench_n, PRESET)
+@dataclasses.dataclass
+class Prepare:
+    """Write the prompt subset the GPU calls read (CPU; PRESET's records and turns)."""
+    state: Path = ROOT / ".stage" / "regen"
+    """the carried state: prompts.jsonl.gz, and the returned files of earlier calls"""
+
+
+@dataclasses.dataclass
+class Output(Prepare):
+    out: Path | None = None
+    """where the results go (default: --state)"""
+    target: str = "smollm2"
+    """the regenerating model: HF dir, .gguf file, or 'smollm2' (packaged)"""
+
+
+@dataclasses.dataclass
+class Run(Output):
+    """One time-bounded, resumable regeneration call (GPU)."""
+    time_limit: float = 480
+    """seconds for this call, model loading included"""
+    batch_size: int = PRESET["batch_size"]
+    """conversations per batch"""
+
+
+@dataclasses.dataclass
+class Bench(Output):
+    """The hf and slots engines side by side on the first --num-records conversations."""
+    num_records: int = 512
+
+
+@dataclasses.dataclass
+class Finalize(Output):
+    """Merge regenerated shards into regen.jsonl.gz (+ the loop-cut deloop.jsonl.gz)."""
+    inputs: tuple[Path, ...] = ()
+    """regenerated JSONL(.gz) files to merge, in order"""
+    dropped: tuple[Path, ...] = ()
+    """their regen.dropped.jsonl files"""
+
+
+@dataclasses.dataclass
+class Smoke:
+    """CPU: prepare + two resumed calls, tiny."""
+
+
+def main(cmd: Prepare | Smoke):
+    if isinstance(cmd, Run):
+        run(cmd.state, cmd.out or cmd.state, cmd.target, cmd.time_limit, {**PRESET, "batch_size": cmd.batch_size})
+    elif isinstance(cmd, Finalize):
+        finalize(list(cmd.inputs), list(cmd.dropped), cmd.out or cmd.state, cmd.target)
+    elif isinstance(cmd, Bench):
+        bench(cmd.state, cmd.out or cmd.state, cmd.target, cmd.num_records, PRESET)
+    elif isinstance(cmd, Prepare):
+        prepare(cmd.state, PRESET["num_records"], PRESET["max_turns"])
     else:
         smoke()
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.extras.subcommand_cli_from_dict(
+        {"prepare": Prepare, "run": Run, "bench": Bench, "finalize": Finalize, "smoke": Smoke}, description=__doc__))

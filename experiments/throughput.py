@@ -1,9 +1,9 @@
 """End-to-end EAGLE-3 training throughput on one GPU (the paper's backend comparison, our version):
 target forward + draft TTT forward/backward + optimizer step, three target/step backends side by
-side in one run, random weights, full rows of --seq tokens.
+side in one run, random weights, full rows of --max-len tokens.
 
-    python experiments/throughput.py --model llama-3.1-8b      # one H200: ~8 min
-    python experiments/throughput.py --model qwen3-30b-a3b
+    python experiments/throughput.py --target llama-3.1-8b     # one H200: ~8 min
+    python experiments/throughput.py --target qwen3-30b-a3b
     python experiments/throughput.py --plot-only               # redraw the figure from the JSONL
     python experiments/throughput.py --smoke                   # tiny shapes on CPU: checks the script
 
@@ -16,17 +16,18 @@ Backends (the draft is the same EAGLE-3 draft, flex attention + Triton CE, TTT 7
                compiled, the draft step (TTT forward + loss + backward) compiled as a unit with rows
                chosen on the host (no syncs), fused AdamW, batches prefetched on a side stream.
   compiled-cg  the same with the target's layers in mode="reduce-overhead" (CUDA graphs).
+
 All three run on one set of weights: the compiled target shares the HF model's tensors, and its
 hidden states are checked against HF's at the start (parity_rel_err).
 
-Per backend: the comparison batch first (--batches[0]: SpecForge's batch), then the largest batch
+Per backend: the comparison batch first (--batch-size[0]: SpecForge's batch), then the largest batch
 that fits: predicted from the first trial's peak memory (linear in the batch), verified by running
 it (OOM caught, one smaller on failure). Time: median over --iters steps after warm-up (CUDA events,
 also between the phases). MFU: analytic model FLOPs (target forward incl. lm_head, draft forward
 x3 for backward) over a bf16 matmul peak measured here. One JSON line per trial is appended to
 experiments/results/throughput_h200.jsonl as soon as it is measured; the figure is redrawn at the end.
 """
-import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -34,8 +35,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -196,7 +199,7 @@ class Bench:
         print(f"[{model}] random {self.tc.model_type} target built in {time.time() - t0:.0f} s; "
               f"{torch.cuda.memory_allocated(device) / 2**30 if device.type == 'cuda' else 0:.1f} GiB", flush=True)
         self.parity = self.check_parity()
-        dc = Eagle3Config.from_target(self.tc, args.draft_vocab, self.aux)
+        dc = Eagle3Config.from_target(self.tc, args.draft_vocab_size, self.aux)
         self.dc = dc
         self.draft = Eagle3Draft(dc)
         g = torch.Generator().manual_seed(0)
@@ -210,17 +213,17 @@ class Bench:
     @torch.no_grad()
     def check_parity(self) -> float:
         """max |fast - hf| / max |hf| over aux and final hidden states, one random row."""
-        ids = torch.randint(0, self.tc.vocab_size, (1, min(512, self.args.seq)), device=self.device)
+        ids = torch.randint(0, self.tc.vocab_size, (1, min(512, self.args.max_len)), device=self.device)
         a, b = self.hf_target(ids), self.fast(ids)
         err = max(((x - y).abs().max() / y.abs().max()).item() for x, y in ((b.aux_hidden, a.aux_hidden), (b.final_hidden, a.final_hidden)))
         print(f"[{self.model}] compiled vs HF hidden states: max rel err {err:.2e}", flush=True)
         return err
 
     def host_batch(self, B: int) -> dict:
-        T, V = self.args.seq, self.tc.vocab_size
+        T, V = self.args.max_len, self.tc.vocab_size
         g = torch.Generator().manual_seed(B)
         mask = loss_mask(B, T, self.args.mask_density, seed=B)
-        return {"input_ids": torch.randint(0, V, (B, T), generator=g), "loss_mask": mask, "rows": select_rows(mask, self.args.ttt)}
+        return {"input_ids": torch.randint(0, V, (B, T), generator=g), "loss_mask": mask, "rows": select_rows(mask, self.args.ttt_length)}
 
     def setup_backend(self, backend: str):
         """Compile once per backend (a new torch.compile wrapper would recompile the same code)."""
@@ -240,7 +243,7 @@ class Bench:
     def trial(self, backend: str, B: int) -> dict:
         """Warm-up then timed steps at batch B; raises on OOM (caller cleans up)."""
         args, dev, cuda = self.args, self.device, self.device.type == "cuda"
-        K, T = args.ttt, args.seq
+        K, T = args.ttt_length, args.max_len
         host = self.host_batch(B)
         naive = backend == "hf"
         target = self.hf_target if naive else self.fast
@@ -305,10 +308,10 @@ class Bench:
 
 def run_model(args, model: str, device, dtype, out: Path, env: dict):
     bench = Bench(args, model, device, dtype)
-    common = dict(env, mask_density=args.mask_density, draft_vocab=args.draft_vocab, peak_tflops=args.peak_tflops,
+    common = dict(env, mask_density=args.mask_density, draft_vocab=args.draft_vocab_size, peak_tflops=args.peak_tflops,
                   parity_rel_err=bench.parity, attention=bench.attention, loss=bench.loss,
                   command=" ".join(["python", "experiments/throughput.py", *sys.argv[1:]]))
-    batches = args.batches or DEFAULT_BATCHES.get(model, [2])
+    batches = args.batch_size or DEFAULT_BATCHES.get(model, [2])
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     t_start = time.time()
 
@@ -333,7 +336,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
                 return True
             except Exception as e:  # OOM (expected at the edge) or a failure: recorded, the run goes on
                 oom = is_oom(e)
-                write(dict(model=model, backend=backend, seq=args.seq, batch=B, oom=oom, error=None if oom else repr(e)[:500]))
+                write(dict(model=model, backend=backend, seq=args.max_len, batch=B, oom=oom, error=None if oom else repr(e)[:500]))
                 if not oom:
                     import traceback
 
@@ -360,7 +363,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
                     break
         if fits:
             best = max(fits)
-            write(dict(model=model, backend=backend, seq=args.seq, summary=True, max_batch=best,
+            write(dict(model=model, backend=backend, seq=args.max_len, summary=True, max_batch=best,
                        max_batch_confirmed=(best + 1) in tried and (best + 1) not in fits,
                        tokens_per_s_at_max=fits[best]["tokens_per_s"], peak_gib_at_max=fits[best].get("peak_gib")))
         free_memory(device)
@@ -369,7 +372,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
 
 
 def attention_microbench(bench, write):
-    """The target's attention forward at one row of --seq: SDPA (torch's pick), SDPA forced to
+    """The target's attention forward at one row of --max-len: SDPA (torch's pick), SDPA forced to
     cuDNN, FlexAttention causal (compiled). Documents the causal-path choice in fast_target."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -377,7 +380,7 @@ def attention_microbench(bench, write):
 
     from kernels.masks import causal_mask, create_block_mask, flex_attention_compiled
 
-    tc, T, dev = bench.tc, bench.args.seq, bench.device
+    tc, T, dev = bench.tc, bench.args.max_len, bench.device
     q = torch.randn(1, tc.num_attention_heads, T, tc.head_dim, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, tc.num_key_value_heads, T, tc.head_dim, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -488,52 +491,69 @@ def measure_mask_density(max_len: int) -> float:
     return sum(sum(e.loss_mask) for e in ex) / sum(len(e.input_ids) for e in ex)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", nargs="*", default=None, help=f"presets: {', '.join(PRESETS)} (default: llama-3.1-8b)")
-    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS)
-    ap.add_argument("--batches", nargs="*", type=int, default=None, help="batches to time first (default: SpecForge's)")
-    ap.add_argument("--no-search", dest="search", action="store_false", help="skip the largest-batch search")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--mask-density", type=float, default=MASK_DENSITY)
-    ap.add_argument("--measure-mask", action="store_true", help="measure the density from the packaged chats first")
-    ap.add_argument("--iters", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget-s", type=float, default=360, help="soft time budget per model (shared equally by the backends)")
-    ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/throughput_h200.jsonl")
-    ap.add_argument("--figure", type=Path, default=ROOT / "experiments/figures/backends_h200.png")
-    ap.add_argument("--draft-eager", action="store_true", help="compiled backends: keep the draft step eager (diagnosis)")
-    ap.add_argument("--no-attn-bench", dest="attn_bench", action="store_false", help="skip the attention microbenchmark")
-    ap.add_argument("--plot-only", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (fp32): checks the script end to end")
-    args = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    target: tuple[str, ...] = ()
+    """random-weight targets shaped like these presets (models/fast_target.py PRESETS; default llama-3.1-8b,
+    --smoke: tiny-llama tiny-moe)"""
+    backends: tuple[Literal["hf", "compiled", "compiled-cg"], ...] = BACKENDS
+    batch_size: tuple[int, ...] = ()
+    """batches to time first (default: SpecForge's, DEFAULT_BATCHES; --smoke: 2)"""
+    search: bool = True
+    """then search the largest batch that fits"""
+    max_len: int = 4096
+    """tokens per row (every row full)"""
+    ttt_length: int = 7
+    draft_vocab_size: int = 32000
+    mask_density: float = MASK_DENSITY
+    """assistant share of the loss mask"""
+    measure_mask: bool = False
+    """measure --mask-density from the packaged chats first"""
+    iters: int = 4
+    """timed steps (median)"""
+    warmup: int = 2
+    """untimed steps first"""
+    budget_s: float = 360
+    """soft time budget per target (shared equally by the backends)"""
+    out: Path = ROOT / "experiments/results/throughput_h200.jsonl"
+    figure: Path = ROOT / "experiments/figures/backends_h200.png"
+    draft_eager: bool = False
+    """compiled backends: keep the draft step eager (diagnosis)"""
+    attn_bench: bool = True
+    """end with the attention microbenchmark"""
+    plot_only: bool = False
+    """only redraw the figure from --out"""
+    smoke: bool = False
+    """tiny models on CPU (fp32): checks the script end to end"""
+    peak_tflops: tyro.conf.Suppress[float] = 0.0  # measured at the start
+
+
+def main(args: Args):
     if args.plot_only:
         return plot(args.out, args.figure)
     if args.smoke:
-        args.model = args.model or list(SMOKE)
-        args.seq, args.draft_vocab, args.iters, args.warmup, args.batches = 128, 64, 2, 1, args.batches or [2]
+        args.target = args.target or tuple(SMOKE)
+        args.max_len, args.draft_vocab_size, args.iters, args.warmup, args.batch_size = 128, 64, 2, 1, args.batch_size or (2,)
         args.out, args.figure = Path("/tmp/throughput_smoke.jsonl"), Path("/tmp/backends_smoke.png")
         args.out.unlink(missing_ok=True)
         device, dtype = torch.device("cpu"), torch.float32
     else:
-        args.model = args.model or ["llama-3.1-8b"]
+        args.target = args.target or ("llama-3.1-8b",)
         if not torch.cuda.is_available():
             raise SystemExit("needs a GPU (use --smoke on CPU)")
         device, dtype = torch.device("cuda"), torch.bfloat16
     if args.measure_mask:
-        args.mask_density = measure_mask_density(args.seq)
+        args.mask_density = measure_mask_density(args.max_len)
         print(f"[mask] measured density {args.mask_density:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     args.peak_tflops = peak_matmul_tflops(device, dtype)
     print(f"[peak] {dtype} matmul: {args.peak_tflops:.1f} TFLOP/s on {env['device']}", flush=True)
-    for model in args.model:
+    for model in args.target:
         run_model(args, model, device, dtype, args.out, env)
         free_memory(device)
     plot(args.out, args.figure)
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -1,6 +1,6 @@
 """experiments/multi_gpu.py's bookkeeping, without running train.py: the timing read back from a
 metrics.jsonl written the way train.py writes it, the parity verdict, and bad phase names.
-(The whole runner on tiny models: `python experiments/multi_gpu.py all --cpu-smoke --out-dir DIR`, minutes.)"""
+(The whole runner on tiny models: `python experiments/multi_gpu.py all --cpu-smoke --out DIR`, minutes.)"""
 import statistics
 
 import pytest
@@ -48,8 +48,8 @@ def test_loss_parity():
 
 def test_bad_phase_fails_clearly(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        main(["dp", "fsdp8", "--out-dir", str(tmp_path)])
-    assert "unknown phase(s) ['fsdp8']" in capsys.readouterr().err
+        main(["dp", "fsdp8", "--out", str(tmp_path)])
+    assert "invalid choice 'fsdp8'" in capsys.readouterr().err
 
 
 def test_predict_8gpu_from_2gpu_rows():

