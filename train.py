@@ -34,7 +34,8 @@ from data.vocab import count_tokens
 from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
-from models.eagle3 import ATTENTION, LOSSES, param_count
+from models.eagle3 import ATTENTION, LOSSES
+from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
 from models.families import FAMILIES, FAMILY_OPTIONS
@@ -71,7 +72,7 @@ class TrainConfig:
     norm_output: bool = False
     """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
     moe_experts: int = 0
-    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/eagle3.py MoEMLP)"""
+    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/moe.py MoEMLP)"""
     moe_top_k: int = 1
     moe_shared: bool = False
     """add one always-on shared expert"""
@@ -626,11 +627,11 @@ class Trainer:
         if not self.family.ttt_passes:
             return Throughput(None, self.world, None)
         K = self.cfg.ttt_length
-        n_draft = sum(p.numel() for p in self.draft.parameters())  # DTensor numel is the global size
+        n_draft = param_count(self.draft)  # DTensor numel is the global size
         n_target = 0
         if not isinstance(self.target, TargetHeads):  # a target forward runs here (not offline / a consumer of producers)
             t = self.target
-            n_target = sum(p.numel() for p in t.parameters()) - t.embed_tokens.weight.numel() + (
+            n_target = param_count(t) - t.embed_tokens.weight.numel() + (
                 t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)  # lookups are not matmuls; lm_head is
         return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
 

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.eagle3 import ATTENTION, LOSSES, Eagle3Batch, Eagle3Config, Eagle3Draft, local_counts  # noqa: E402
+from models.layers import param_count  # noqa: E402
 
 
 def llama8b_draft(draft_vocab: int) -> Eagle3Config:
@@ -116,7 +117,7 @@ def main(args: Args):
     batch = random_batch(cfg, args.batch_size, T, dtype, device)
     batch.target_top.remainder_(cfg.draft_vocab_size)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
-    n_params = sum(p.numel() for p in draft.parameters())
+    n_params = param_count(draft)
     base = {
         "name": "draft_step", "seq": T, "batch": args.batch_size, "vocab": cfg.draft_vocab_size,
         "hidden": cfg.hidden_size, "params_m": round(n_params / 1e6, 1), "dtype": str(dtype).split(".")[-1],

@@ -1,5 +1,5 @@
 """MoE drafts (SpecForge paper): the EAGLE-3 draft's MLP as a mixture of experts against the dense
-draft, same data and budget; τ on MT-Bench, HumanEval and GSM8K. Settings (models/eagle3.py MoEMLP
+draft, same data and budget; τ on MT-Bench, HumanEval and GSM8K. Settings (models/moe.py MoEMLP
 states the sizes; I = the dense intermediate size, every MoE routes top-1):
 
     dense          the EAGLE-3 draft

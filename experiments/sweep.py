@@ -263,7 +263,8 @@ class Sweep:
         taus = {b: res["results"][b][k]["tau"] for b in BENCHMARKS if b in res["results"]}
         mem = meta.get("peak_memory", {})
         kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
-        from models.eagle3 import Eagle3Config, Eagle3Draft, param_count
+        from models.eagle3 import Eagle3Config, Eagle3Draft
+        from models.layers import param_count
 
         row = {
             "study": self.study, "setting": setting, "seed": seed, **{f"tau_{b}": round(t, 4) for b, t in taus.items()},

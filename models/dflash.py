@@ -39,8 +39,8 @@ from torch import nn
 
 from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
-from models.eagle3 import MLP, RMSNorm, apply_rope, rope_inv_freq
 from models.family import Family, Serving, block_attention, generator, pick_mask_token
+from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.proposer import Proposer, Tree
 
 OBJECTIVES = ("ce", "dpace")
@@ -91,17 +91,13 @@ class BlockAttention(nn.Module):
         self.q_norm = RMSNorm(D, c.rms_norm_eps)
         self.k_norm = RMSNorm(D, c.rms_norm_eps)
 
-    def _heads(self, x, n):
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.head_dim).transpose(1, 2)
-
     def kv(self, x_BTH, cos, sin):
         """k (k_norm + rope), v [B, Hkv, T, D] of the context or of block tokens."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x_BTH), self.n_kv)), cos, sin)
-        return k, self._heads(self.v_proj(x_BTH), self.n_kv)
+        k = apply_rope(self.k_norm(split_heads(self.k_proj(x_BTH), self.n_kv, self.head_dim)), cos, sin)
+        return k, split_heads(self.v_proj(x_BTH), self.n_kv, self.head_dim)
 
     def q(self, x_BTH, cos, sin):
-        return apply_rope(self.q_norm(self._heads(self.q_proj(x_BTH), self.n_heads)), cos, sin)
+        return apply_rope(self.q_norm(split_heads(self.q_proj(x_BTH), self.n_heads, self.head_dim)), cos, sin)
 
 
 class DFlashLayer(nn.Module):
@@ -110,7 +106,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = BlockAttention(c)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, attend):
         """x [B, Q, H] block tokens; ctx_k/v [B, Hkv, T, D]; attend(q, k, v) over [ctx | block]."""
@@ -118,8 +114,7 @@ class DFlashLayer(nn.Module):
         h = self.input_layernorm(x)
         k, v = a.kv(h, cos, sin)
         o = attend(a.q(h, cos, sin), torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2))
-        B, _, Q, _ = o.shape
-        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        x = x + a.o_proj(merge_heads(o))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -244,9 +239,7 @@ class DFlashDraft(nn.Module):
         return self.config.block_size - self.prediction_offset
 
     def rope(self, positions_BT, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     # ---- shared by training and inference ----
     def context(self, aux_BTX):

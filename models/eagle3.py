@@ -45,6 +45,8 @@ from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 from models.family import Family, Serving, with_vocab
+from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.moe import MoEMLP
 from models.proposer import Proposer, Tree
 
 # TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
@@ -84,7 +86,7 @@ class Eagle3Config:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux source before fc
     norm_output: bool = False  # EAGLE-3.1: carry norm(output) to the next step
-    # MoE draft MLP (SpecForge's draft-architecture ablation; see MoEMLP). 0 experts = dense MLP
+    # MoE draft MLP (SpecForge's draft-architecture ablation; see models/moe.py). 0 experts = dense MLP
     moe_experts: int = 0
     moe_top_k: int = 1
     moe_shared: bool = False  # one always-on shared expert next to the routed ones
@@ -119,41 +121,6 @@ class Eagle3Config:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
-    """inv_freq [D/2] and the cos/sin scaling factor, for any rope type HF knows."""
-    if cfg.rope_parameters.get("rope_type", "default") == "default":
-        D = cfg.head_dim
-        return 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2).float() / D), 1.0
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = LlamaConfig(
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(cfg.rope_parameters),
-    )
-    return ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](hf, "cpu")
-
-
-def apply_rope(x_BHTD, cos_BTD, sin_BTD):
-    half = x_BHTD.shape[-1] // 2
-    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
-    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -165,98 +132,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
 
 
-class MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-MOE_MODES = ("flops", "params")
-
-
-def moe_expert_size(c: Eagle3Config) -> int:
-    """Intermediate size of one expert (the shared one included), from the dense size I:
-      flops   I // (top_k + shared): the experts a token runs (top_k routed + the shared one)
-              add up to I, so a token costs the dense MLP's FLOPs (+ the router); parameters
-              grow with the expert count (E=2..4 top-1: 2..4x the dense MLP's)
-      params  I // (E + shared): all experts together hold the dense MLP's parameters; a token
-              runs top_k of them (E=2 top-1: half the dense FLOPs)
-    Exact when the division is (SmolLM2: I = 1536 divides by 2, 3 and 4)."""
-    if c.moe_mode not in MOE_MODES:
-        raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {c.moe_mode!r}")
-    if not 1 <= c.moe_top_k <= c.moe_experts:
-        raise ValueError(f"moe_top_k must be in [1, moe_experts={c.moe_experts}], got {c.moe_top_k}")
-    n = (c.moe_top_k if c.moe_mode == "flops" else c.moe_experts) + int(c.moe_shared)
-    return c.intermediate_size // n
-
-
-def mlp_flops_per_token(c: Eagle3Config) -> int:
-    """Forward multiply-adds x2 of the draft MLP for one token (router included)."""
-    if not c.moe_experts:
-        return 2 * 3 * c.hidden_size * c.intermediate_size
-    active = (c.moe_top_k + int(c.moe_shared)) * moe_expert_size(c)
-    return 2 * 3 * c.hidden_size * active + 2 * c.hidden_size * c.moe_experts
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert (the dense MLP's shape at intermediate size `size`)."""
-
-    def __init__(self, hidden: int, size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, size, bias=False)
-        self.up_proj = nn.Linear(hidden, size, bias=False)
-        self.down_proj = nn.Linear(size, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoEMLP(nn.Module):
-    """The draft MLP as a mixture of experts (SpecForge's MoE-draft ablation; sizes: moe_expert_size).
-
-    router: linear H -> E, softmax in fp32; each token keeps its top_k experts, weighted by their
-    softmax probabilities (not renormalised, as in Switch / DeepSeek-MoE, so top-1 routing still
-    trains the router); the shared expert (moe_shared) runs on every token with weight 1.
-    Load balance: the Switch Transformer loss E * sum_e f_e * P_e (f_e: share of the token-slot
-    assignments routed to e, P_e: mean router probability of e; 1 when balanced), left in
-    `aux_loss` after each call for the training loss to pick up (weight moe_aux_coef).
-
-    Every expert runs on every token and the unselected outputs get weight 0: no data-dependent
-    shapes, so no host syncs and nothing for torch.compile to break on. Training cost therefore
-    grows with E whatever the mode; the FLOPs of the *model* are mlp_flops_per_token."""
-
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        size = moe_expert_size(c)
-        self.top_k = c.moe_top_k
-        self.router = nn.Linear(c.hidden_size, c.moe_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, size) for _ in range(c.moe_experts))
-        self.shared_expert = Expert(c.hidden_size, size) if c.moe_shared else None
-        self.aux_loss = None
-
-    def route(self, x_NH):
-        """(gates [N, E] fp32: top-k softmax probabilities, 0 elsewhere; probs [N, E])."""
-        probs = self.router(x_NH).float().softmax(-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)
-        return torch.zeros_like(probs).scatter(-1, top_i, top_p), probs
-
-    def forward(self, x):
-        x_NH = x.reshape(-1, x.shape[-1])
-        gates, probs = self.route(x_NH)
-        E = len(self.experts)
-        f = (gates > 0).float().mean(0) / self.top_k  # [E] share of assignments
-        self.aux_loss = E * (f * probs.mean(0)).sum()
-        out = self.shared_expert(x_NH) if self.shared_expert is not None else torch.zeros_like(x_NH)
-        for e, expert in enumerate(self.experts):
-            out = out + gates[:, e : e + 1].to(x.dtype) * expert(x_NH)
-        return out.reshape(x.shape)
-
-
 class MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -264,7 +139,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
-        self.mlp = MoEMLP(c) if c.moe_experts else MLP(c)
+        self.mlp = MoEMLP(c) if c.moe_experts else MLP(c.hidden_size, c.intermediate_size)
 
 
 class Eagle3Draft(nn.Module):
@@ -299,26 +174,22 @@ class Eagle3Draft(nn.Module):
         return self.norm(out) if self.config.norm_output else out
 
     def rope(self, positions_BT: torch.Tensor, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     def qkv(self, embeds_BTH, hidden_BTH, positions_BT):
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] of one layer pass, rope applied."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         x = torch.cat([layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1)
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+        q = split_heads(attn.q_proj(x), attn.n_heads, attn.head_dim)
+        k = split_heads(attn.k_proj(x), attn.n_kv, attn.head_dim)
+        v = split_heads(attn.v_proj(x), attn.n_kv, attn.head_dim)
         cos, sin = self.rope(positions_BT, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_BHTD, hidden_BTH):
         """o_proj + residual + MLP block; returns the layer output (pre final norm)."""
         layer = self.midlayer
-        B, _, T, _ = attn_BHTD.shape
-        h = hidden_BTH + layer.self_attn.o_proj(attn_BHTD.transpose(1, 2).reshape(B, T, -1))
+        h = hidden_BTH + layer.self_attn.o_proj(merge_heads(attn_BHTD))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, hidden):
@@ -525,10 +396,6 @@ def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256
 def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
     """[K, 2] (acc rows, loss rows) of this rank's batch; all-reduce it for global counts."""
     return torch.stack([torch.stack([a.sum(), l.sum()]) for a, l in step_masks(batch, t2d, ttt_length)])
-
-
-def param_count(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
 
 
 # ---------------------------------------------------------------- decoding (evaluate.py, gate.py)

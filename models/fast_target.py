@@ -35,7 +35,6 @@ unchanged on its local heads. Plain sharded tensors + one functional all-reduce 
 not DTensor: see `parallelize` for why.
 """
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
+from models.layers import LOCAL_ROPE, MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq
 from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -153,45 +153,7 @@ class TargetConfig:
         return AutoConfig.for_model(**d)
 
 
-# ----------------------------------------------------------------------------------------- rope
-def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
-    """inv_freq [D/2] fp32, exactly as transformers computes it for these rope types."""
-    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    kind = rope.get("rope_type", "default")
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / rope["factor"]
-    if kind == "llama3":  # Llama 3.1: long wavelengths slowed by `factor`, a smooth ramp between
-        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old = rope["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-        return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf")
-
-
-def apply_rope(x_BHTD, cos_BTD, sin_BTD):
-    half = x_BHTD.shape[-1] // 2
-    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
-    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
-
-
 # --------------------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):  # transformers' order of casts, so bf16 outputs match bit for bit
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def dense_attention_mask(block_mask) -> torch.Tensor:
     """The element mask [B, H, Q, KV] (bool; H = 1 for a head-independent mask) of a
     self-attention BlockMask, evaluated from its mask_mod; a query row that may see no key
@@ -247,7 +209,6 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x_BTH, cos, sin, block_mask):
-        B, T, _ = x_BTH.shape
         q, k, v = self.project(x_BTH, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if block_mask is None:  # whole rows: the fused causal kernel
@@ -262,18 +223,7 @@ class Attention(nn.Module):
             raw = torch.compiler.is_compiling() or not x_BTH.is_cuda
             flex = flex_attention_eager if raw else flex_attention_compiled
             o = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(merge_heads(o))
 
 
 class Router(nn.Module):
@@ -434,7 +384,10 @@ class FastTarget(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(c.rope_parameters, c.head_dim), persistent=False)
+        if (kind := c.rope_parameters.get("rope_type", "default")) not in LOCAL_ROPE:
+            raise NotImplementedError(f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf")
+        inv_freq, self.rope_scale = rope_inv_freq(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
     @property
@@ -523,7 +476,7 @@ class FastTarget(nn.Module):
         return self.eval().requires_grad_(False)
 
     def _init_buffers(self, device):
-        self.inv_freq = rope_inv_freq(self.config.rope_parameters, self.config.head_dim).to(device)
+        self.inv_freq = rope_inv_freq(self.config)[0].to(device)
         for m in self.modules():
             if isinstance(m, SparseMoE):
                 m.use_grouped_mm = grouped_mm_supported(torch.device(device))
@@ -604,9 +557,7 @@ class FastTarget(nn.Module):
 
     # ---- forward ----
     def rope(self, positions_BT: torch.Tensor, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2] fp32, as transformers
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     @torch.no_grad()
     def forward(self, input_ids, attention_mask=None, doc_ids=None, position_ids=None) -> Features:

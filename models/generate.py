@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from models.fast_target import FastTarget
+from models.layers import merge_heads
 
 
 @dataclass
@@ -109,7 +110,7 @@ class SlotGenerator:
             q, k, v = a.project(layer.input_layernorm(h), cos, sin)
             self.k[i][sl, :, :P], self.v[i][sl, :, :P] = k, v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-            h = h + a.o_proj(o.transpose(1, 2).reshape(n, P, -1))
+            h = h + a.o_proj(merge_heads(o))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(n, device=self.dev), lens - 1]  # [n, H]
         tok = sample(self._logits(last), self.sampling, self.gen)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents, rope_inv_freq
+from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents
+from models.layers import rope_inv_freq
 from models.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,8 +185,9 @@ def test_random_init_and_presets():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_hf, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
-    torch.testing.assert_close(rope_inv_freq(c.rope_parameters, c.head_dim), inv_hf, rtol=0, atol=0)
-    assert scale == 1.0
+    inv, our_scale = rope_inv_freq(c)
+    torch.testing.assert_close(inv, inv_hf, rtol=0, atol=0)
+    assert scale == our_scale == 1.0
     tiny = TargetConfig.from_dict({**PRESETS["qwen3-30b-a3b"], "hidden_size": 32, "num_hidden_layers": 3,
                                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                    "vocab_size": 50, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})

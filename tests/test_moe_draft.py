@@ -1,4 +1,4 @@
-"""MoE draft MLP (models/eagle3.py MoEMLP): forward and every gradient against a per-token loop,
+"""MoE draft MLP (models/moe.py MoEMLP): forward and every gradient against a per-token loop,
 the parameter / FLOPs equalities that define the ablation's settings, the load-balancing loss,
 the TTT forward against the brute-force drafter, an overfit run, and export's refusal."""
 import json
@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from models.eagle3 import Eagle3Config, Eagle3Draft, MoEMLP, local_counts, make_batch, mlp_flops_per_token, moe_expert_size, param_count
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch
+from models.layers import param_count
+from models.moe import MoEMLP, mlp_flops_per_token, moe_expert_size
 
 H, I = 24, 48  # I divides by 2, 3, 4 and 5
 
