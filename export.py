@@ -318,7 +318,8 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
     if serving is None:
         raise ExportError(f"strategy {family!r}: no serving engine here loads it (README, 'Draft families')")
     if engine not in serving.engines:
-        raise ExportError(f"{family}: only the {' and '.join(serving.engines)} format is written"
+        names = {"vllm": "vLLM", "sglang": "SGLang"}
+        raise ExportError(f"{family}: only the {' and '.join(names[e] for e in serving.engines)} format is written"
                           + (" (SGLang has no EAGLE-3 parallel drafting here)" if serving.vllm_extra.get("parallel_drafting") else ""))
     prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
     if tc:  # the tokenizer the draft was trained with, so a target with another one is refused at load
