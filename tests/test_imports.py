@@ -1,7 +1,7 @@
 """The project's import graph runs one way (issue #19).
 
 Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and `from ... import`
-anywhere in the file, at top level or inside a function, is an edge to the project module it names
+anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an edge to the project module it names
 (`from x import y` goes to x.y when that is a module, else to x). Two rules:
 - no cycles;
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
@@ -27,7 +27,13 @@ def import_graph(root: Path, files: list[Path]) -> dict[str, set[str]]:
     graph = {m: set() for m in mods}
     for mod, f in mods.items():
         package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse((root / f).read_text(), str(f))):
+        tree = ast.parse((root / f).read_text(), str(f))
+        # `if TYPE_CHECKING:` imports never run (annotations only): not edges
+        typing_only = {id(n) for b in ast.walk(tree) if isinstance(b, ast.If) and ast.unparse(b.test).endswith("TYPE_CHECKING")
+                       for stmt in b.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -98,7 +104,7 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
     (tmp_path / "disagg" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
     (tmp_path / "disagg" / "control.py").write_text("from . import roles\nfrom .roles import f\n")
     (tmp_path / "train.py").write_text("import torch\nimport disagg.roles\n")
-    (tmp_path / "capture.py").write_text("from disagg import control\n")
+    (tmp_path / "capture.py").write_text("from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n")
     files = [Path(p) for p in ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")]
     graph = import_graph(tmp_path, files)
     assert graph == {"disagg": set(), "disagg.roles": {"train"}, "disagg.control": {"disagg.roles"}, "train": {"disagg.roles"},
