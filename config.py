@@ -5,6 +5,7 @@
 A YAML file holds the same fields as the flags (underscored names; the deployment fields in a
 `deploy:` mapping, or at top level like their flags). Unknown keys are an error that names them.
 """
+
 import dataclasses
 import sys
 import typing

@@ -3,6 +3,7 @@
 Under torchrun (RANK set) init_distributed() joins the process group (NCCL on GPU, gloo on CPU);
 without it everything here is a no-op, so the same code runs one process.
 """
+
 import os
 
 import torch

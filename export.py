@@ -61,6 +61,7 @@ This file alone knows the engines' conventions. Aux layer ids, checked in the en
   vLLM's loader skips t2d, renames d2t to draft_id_to_target_id and leaves that table at zero
   (silently wrong drafts) when d2t is missing: hence the loud checks here.
 """
+
 import hashlib
 import json
 import shutil
@@ -75,7 +76,7 @@ import tyro
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
-from models.peagle import PEagleConfig, PEagleDraft
+from models.peagle import PEagleConfig
 
 ENGINES = ("vllm", "sglang")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -111,10 +112,22 @@ def read_tensors(f: Path) -> dict[str, torch.Tensor]:
         return load_file(f)
     except Exception as e:  # SafetensorError (bad header, short buffer), OSError, ...
         why = str(e).splitlines()[0][:200] if str(e) else ""
-        others = sorted((d.name for d in f.parent.parent.glob("step_*") if d != f.parent and (d / f.name).exists() and d.name[5:].isdigit()),
-                        key=lambda n: -int(n[5:]))
-        hint = f"; other checkpoints beside it: {', '.join(others)} (pass one's directory)" if others and f.parent.name.startswith("step_") else ""
-        raise ExportError(f"{f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''}){hint}") from None
+        others = sorted(
+            (
+                d.name
+                for d in f.parent.parent.glob("step_*")
+                if d != f.parent and (d / f.name).exists() and d.name[5:].isdigit()
+            ),
+            key=lambda n: -int(n[5:]),
+        )
+        hint = (
+            f"; other checkpoints beside it: {', '.join(others)} (pass one's directory)"
+            if others and f.parent.name.startswith("step_")
+            else ""
+        )
+        raise ExportError(
+            f"{f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''}){hint}"
+        ) from None
 
 
 def read_json(f: Path) -> dict:
@@ -189,14 +202,18 @@ def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, opti
     if int(sd["t2d"].sum()) != c.draft_vocab_size or not bool(sd["t2d"][ids].all()):
         raise ExportError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
     if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (c.vocab_size, c.hidden_size):
-        raise ExportError(f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, expected {(c.vocab_size, c.hidden_size)}")
+        raise ExportError(
+            f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, expected {(c.vocab_size, c.hidden_size)}"
+        )
 
 
 def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
     if not c.moe_experts:  # MoE drafts (research only) are not in the serving format; strict load below checks them
         check_tensors(sd, c, where)
     draft = next(f.draft_cls for f in FAMILIES.values() if type(c) is f.config_cls)(c)  # Eagle3Draft or PEagleDraft
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True)
+    draft.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True
+    )
     return draft.eval()
 
 
@@ -248,7 +265,10 @@ def serving_config(c: Eagle3Config, target_config: dict, engine: str, dtype: tor
         "mlp_bias": False,
         # the midlayer's residual is the un-normed hidden state (vLLM/SGLang default)
         "norm_before_residual": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine),
+            "use_aux_hidden_state": True,
+        },
         # EAGLE-3.1 (vLLM llama_eagle3.py: `fc_norm` = one RMSNorm per aux chunk before fc, weights
         # fc_norm.{i}.weight; `norm_output` = the hidden state handed to the next draft step is the
         # normed output)
@@ -280,7 +300,9 @@ def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -
     tc = tc.get("text_config", tc)
     why = []
     if getattr(c, "target_hidden_size", None) not in (None, tc.get("hidden_size")):
-        why.append(f"hidden size: the draft reads {c.target_hidden_size}-wide target features, the target's are {tc.get('hidden_size')}")
+        why.append(
+            f"hidden size: the draft reads {c.target_hidden_size}-wide target features, the target's are {tc.get('hidden_size')}"
+        )
     if c.vocab_size != tc.get("vocab_size"):
         why.append(f"vocabulary: the draft maps to {c.vocab_size} target tokens, the target has {tc.get('vocab_size')}")
     L = tc.get("num_hidden_layers")
@@ -288,7 +310,9 @@ def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -
         why.append(f"aux layers: the draft reads layers {list(c.aux_layers)}, the target has {L} (0..{L - 1})")
     want = (recorded or {}).get("tokenizer")
     if tokenizer is not None and want and tokenizer_digest(tokenizer) != want:
-        why.append(f"tokenizer: the draft was exported for tokenizer {want}, this target's is {tokenizer_digest(tokenizer)}")
+        why.append(
+            f"tokenizer: the draft was exported for tokenizer {want}, this target's is {tokenizer_digest(tokenizer)}"
+        )
     return why
 
 
@@ -301,7 +325,14 @@ def _target_config(target_dir: str | Path | None, c: Eagle3Config) -> dict:
     return {}
 
 
-def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str = "bf16", with_embeddings: bool = False, target: str | None = None) -> Path:
+def export(
+    ckpt: str | Path,
+    out: str | Path,
+    engine: str = "vllm",
+    dtype: str = "bf16",
+    with_embeddings: bool = False,
+    target: str | None = None,
+) -> Path:
     """Write the serving dir; returns it. The write goes through a temporary dir renamed into
     place, so a failed export never leaves a dir that looks complete."""
     if engine not in ENGINES:
@@ -311,7 +342,9 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
     draft, meta = load_checkpoint(ckpt)
     c, tdtype = draft.config, DTYPES[dtype]
     if getattr(c, "moe_experts", 0):
-        raise ExportError(f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)")
+        raise ExportError(
+            f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)"
+        )
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)
     family, serving = meta["strategy"], FAMILIES[meta["strategy"]].serving
@@ -319,9 +352,16 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
         raise ExportError(f"strategy {family!r}: no serving engine here loads it (README, 'Draft families')")
     if engine not in serving.engines:
         names = {"vllm": "vLLM", "sglang": "SGLang"}
-        raise ExportError(f"{family}: only the {' and '.join(names[e] for e in serving.engines)} format is written"
-                          + (" (SGLang has no EAGLE-3 parallel drafting here)" if serving.vllm_extra.get("parallel_drafting") else ""))
-    prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
+        raise ExportError(
+            f"{family}: only the {' and '.join(names[e] for e in serving.engines)} format is written"
+            + (" (SGLang has no EAGLE-3 parallel drafting here)" if serving.vllm_extra.get("parallel_drafting") else "")
+        )
+    prov = {
+        "engine": engine,
+        "aux_layer_outputs": list(c.aux_layers),
+        "target": str(target_dir) if target_dir else None,
+        "checkpoint": meta["checkpoint"],
+    }
     if tc:  # the tokenizer the draft was trained with, so a target with another one is refused at load
         from data.chat import DataError
         from models.target import load_tokenizer
@@ -376,7 +416,9 @@ def vllm_method(family: str) -> tuple[str, dict]:
 
 # ---- block drafters (DFlash family) ----
 # vLLM architecture -> family, for the families written in the block layout
-BLOCK_FAMILIES = {f.serving.architecture: name for name, f in FAMILIES.items() if f.serving and f.serving.layout == "block"}
+BLOCK_FAMILIES = {
+    f.serving.architecture: name for name, f in FAMILIES.items() if f.serving and f.serving.layout == "block"
+}
 
 
 def block_serving(draft, architecture: str, target_config: dict, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -386,23 +428,43 @@ def block_serving(draft, architecture: str, target_config: dict, dtype: torch.dt
     cfg = {
         "architectures": [architecture],
         "model_type": "qwen3",
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act, "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size, "target_hidden_size": c.target_hidden_size,
-        "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
         "block_size": c.block_size,
         # target_layer_ids: our layer-output indices (vLLM adds 1, see the module doc); causal: the
         # block attends to itself both ways (qwen3_dflash.py _dflash_layer_causal)
-        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True, "causal": False},
-        "torch_dtype": HF_DTYPE_NAMES[dtype], "dtype": HF_DTYPE_NAMES[dtype],
+        "dflash_config": {
+            "mask_token_id": c.mask_token_id,
+            "target_layer_ids": list(c.aux_layers),
+            "use_aux_hidden_state": True,
+            "causal": False,
+        },
+        "torch_dtype": HF_DTYPE_NAMES[dtype],
+        "dtype": HF_DTYPE_NAMES[dtype],
     }
     if architecture == "Qwen3DSparkModel":
         # qwen3_dspark.py: markov_head.markov_w{1,2} [V, r], confidence_head.proj [1, H (+ r)] + bias
         # (loaded only with enable_confidence_head); DSparkSpeculator: sample_from_anchor = blocks
         # of K slots whose anchor predicts (vLLM then takes K = num_speculative_tokens = block_size)
-        cfg.update(markov_rank=c.markov_rank, draft_vocab_size=c.vocab_size, enable_confidence_head=True,
-                   confidence_head_with_markov=c.confidence_with_markov, sample_from_anchor=True)
+        cfg.update(
+            markov_rank=c.markov_rank,
+            draft_vocab_size=c.vocab_size,
+            enable_confidence_head=True,
+            confidence_head_with_markov=c.confidence_with_markov,
+            sample_from_anchor=True,
+        )
     rope = {k: target_config[k] for k in ROPE_FIELDS if target_config.get(k) is not None}
     cfg.update(rope or {"rope_parameters": c.rope_parameters})
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -413,8 +475,10 @@ def block_serving(draft, architecture: str, target_config: dict, dtype: torch.dt
     want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items()}
     if want != got or not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
-        raise ExportError(f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "
-                          f"unexpected {sorted(set(got) - set(want))}) or are not finite")
+        raise ExportError(
+            f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "
+            f"unexpected {sorted(set(got) - set(want))}) or are not finite"
+        )
     return cfg, sd
 
 
@@ -425,18 +489,40 @@ def block_config_from_serving(cfg: dict):
     if family is None:
         raise ExportError(f"architectures {cfg.get('architectures')} is not a DFlash or DSpark draft")
     d = cfg.get("dflash_config", {})
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+    rope = cfg.get("rope_parameters") or {
+        "rope_type": "default",
+        "rope_theta": cfg["rope_theta"],
+        **(cfg.get("rope_scaling") or {}),
+    }
     kw = dict(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"], num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters=dict(rope), max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-        target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), aux_layers=list(d["target_layer_ids"]),
-        num_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"], mask_token_id=d["mask_token_id"], hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_parameters=dict(rope),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        vocab_size=cfg["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+        aux_layers=list(d["target_layer_ids"]),
+        num_layers=cfg["num_hidden_layers"],
+        block_size=cfg["block_size"],
+        mask_token_id=d["mask_token_id"],
+        hidden_act=cfg.get("hidden_act", "silu"),
     )
     if arch == "Qwen3DSparkModel":
-        if not cfg.get("sample_from_anchor", True) or cfg.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"] or not cfg.get("enable_confidence_head"):
-            raise ExportError("dspark: only anchor-sampling, full-vocabulary drafts with a confidence head are read here")
-        kw.update(markov_rank=cfg["markov_rank"], confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False)))
+        if (
+            not cfg.get("sample_from_anchor", True)
+            or cfg.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"]
+            or not cfg.get("enable_confidence_head")
+        ):
+            raise ExportError(
+                "dspark: only anchor-sampling, full-vocabulary drafts with a confidence head are read here"
+            )
+        kw.update(
+            markov_rank=cfg["markov_rank"], confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False))
+        )
     return family, FAMILIES[family].config_cls(**kw)
 
 
@@ -447,7 +533,11 @@ def _target_embeddings(target_dir) -> torch.Tensor:
         raise ExportError("--with-embeddings needs the target dir (the checkpoint names none; pass --target)")
     for f in sorted(Path(target_dir).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+            for name in (
+                "model.embed_tokens.weight",
+                "embed_tokens.weight",
+                "model.language_model.embed_tokens.weight",
+            ):
                 if name in st.keys():
                     return st.get_tensor(name)
     raise ExportError(f"no embed_tokens weight found in {target_dir}/*.safetensors")
@@ -462,21 +552,34 @@ def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
         raise ExportError("serving config names no engine: pass engine='vllm' or 'sglang' to read its aux layer ids")
     try:
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+        rope = cfg.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": cfg["rope_theta"],
+            **(cfg.get("rope_scaling") or {}),
+        }
         c = Eagle3Config(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=dict(rope),
-            max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
-            aux_layers=aux_layers_from_engine(ids, engine), hidden_act=cfg.get("hidden_act", "silu"),
-            fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_parameters=dict(rope),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            aux_layers=aux_layers_from_engine(ids, engine),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            fc_norm=bool(cfg.get("fc_norm", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
         )
     except KeyError as e:
         raise ExportError(f"serving config lacks field {e}") from None
     if prov.get("aux_layer_outputs") is not None and prov["aux_layer_outputs"] != c.aux_layers:
-        raise ExportError(f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}")
+        raise ExportError(
+            f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}"
+        )
     if "mask_token_id" in cfg:  # P-EAGLE (parallel drafting)
         from dataclasses import asdict
 
@@ -500,7 +603,9 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
         return draft.eval(), cfg
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ExportError(f"{p}: architectures {cfg.get('architectures')} is not an EAGLE-3 draft")
-    return _draft_from(read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
+    return _draft_from(
+        read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")
+    ), cfg
 
 
 def open_draft(path: str | Path) -> tuple[torch.nn.Module, dict]:

@@ -1,6 +1,7 @@
 """Target features for the draft: the frozen target run over tokenized examples, packed as one
 FeatureStore shard (data/feature_store.py). Written offline by `capture.py features` and online by
 the disaggregated producers (disagg/roles.py)."""
+
 import torch
 
 from data.datasets import collate
@@ -43,5 +44,10 @@ def target_identity(target) -> dict:
     """What makes features comparable: the weights (fingerprint) and the shape, not the path."""
     c = target.config
     fp = fingerprint(target.path) if target.path is not None else "unsaved"
-    return {"fingerprint": fp, "model_type": c.model_type, "num_layers": c.num_hidden_layers,
-            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+    return {
+        "fingerprint": fp,
+        "model_type": c.model_type,
+        "num_layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+    }

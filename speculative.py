@@ -29,6 +29,7 @@ prefill forward, which makes the first token, is not a verification step; a prop
 sometimes proposes nothing, like n-gram lookup, counts those steps as drafts of 0 tokens so τ
 stays tokens per forward: see DESIGN.md "Measuring τ").
 """
+
 import inspect
 from dataclasses import dataclass, field
 
@@ -53,7 +54,9 @@ class SpecStats:
         for k in ("prompts", "new_tokens", "target_forwards", "drafts", "proposed", "draft_tokens", "accepted"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         n = max(len(self.accepted_per_pos), len(o.accepted_per_pos))
-        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][:n]
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][
+            :n
+        ]
 
     def add_step(self, depth: int, accepted: int, proposed: bool = True):
         """One verification step that drafted `depth` deep and accepted the first `accepted`."""
@@ -76,8 +79,12 @@ class SpecStats:
             # vLLM's `1 + accepted / num_drafts` counts only steps that proposed: it equals tau
             # for EAGLE (always proposes) and overstates it for n-gram lookup
             "tau_proposed_steps": 1 + self.accepted / max(self.proposed, 1),
-            "prompts": self.prompts, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-            "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
         }
 
 
@@ -113,8 +120,11 @@ class TargetRunner:
             mask[0, 0, :, L:] = tree_mask.to(dev)
             kw["attention_mask"] = mask
         out = self.model(
-            input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([positions], device=dev),
-            use_cache=True, output_hidden_states=bool(self.aux_layers), **kw,
+            input_ids=torch.tensor([ids], device=dev),
+            position_ids=torch.tensor([positions], device=dev),
+            use_cache=True,
+            output_hidden_states=bool(self.aux_layers),
+            **kw,
         )
         self.length += T
         aux = torch.cat([out.hidden_states[i + 1][0] for i in self.aux_layers], -1) if self.aux_layers else None
@@ -128,7 +138,9 @@ class TargetRunner:
             return
         for layer in self.cache.layers:
             if type(layer).__name__ != "DynamicLayer":  # sliding-window / linear-attention caches hold more state
-                raise NotImplementedError(f"speculative decoding needs plain KV caches, the target uses {type(layer).__name__}")
+                raise NotImplementedError(
+                    f"speculative decoding needs plain KV caches, the target uses {type(layer).__name__}"
+                )
             i = idx.to(layer.keys.device)
             layer.keys, layer.values = layer.keys.index_select(2, i), layer.values.index_select(2, i)
         self.length = len(idx)
@@ -163,7 +175,9 @@ def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Propo
 
 
 @torch.no_grad()
-def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[int], max_new_tokens: int, eos_ids=()) -> tuple[list[int], SpecStats]:
+def speculative_generate(
+    target: TargetRunner, proposer: Proposer, prompt: list[int], max_new_tokens: int, eos_ids=()
+) -> tuple[list[int], SpecStats]:
     """Greedy generation of up to max_new_tokens after prompt (stops after an EOS id)."""
     st = SpecStats(prompts=1)
     eos = set(eos_ids)
@@ -180,7 +194,9 @@ def speculative_generate(target: TargetRunner, proposer: Proposer, prompt: list[
         mask = torch.ones(len(tree) + 1, len(tree) + 1, dtype=torch.bool).tril()
         if len(tree):
             mask[1:, 1:] = tree.ancestors_mask()
-        logits, aux = target.forward([ids[-1]] + tree.tokens, [N - 1] + [N - 1 + x for x in depths], mask if len(tree) else None)
+        logits, aux = target.forward(
+            [ids[-1]] + tree.tokens, [N - 1] + [N - 1 + x for x in depths], mask if len(tree) else None
+        )
         pred = logits.argmax(-1).tolist()
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):

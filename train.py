@@ -7,6 +7,7 @@ With no arguments it trains an EAGLE-3 draft for the packaged SmolLM2-135M-Instr
 packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.json (config,
 versions, git commit, hardware, results), metrics.jsonl, tb/ (TensorBoard) and ckpt/step_N/.
 """
+
 import dataclasses
 import errno
 import json
@@ -35,10 +36,10 @@ from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
 from models.eagle3 import ATTENTION, LOSSES
+from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
-from models.families import FAMILIES, FAMILY_OPTIONS
 
 
 @dataclass
@@ -163,11 +164,30 @@ def validate(cfg: TrainConfig, world: int | None = None):
     """Option values that cannot work, as one message each, before anything is loaded or written.
     world: the ranks that split --batch-size (default: torchrun's WORLD_SIZE, or the launcher's consumer ranks)."""
     if world is None:
-        world = cfg.deploy.consumer_ranks if (cfg.deploy.producers and not cfg.deploy.role) else int(os.environ.get("WORLD_SIZE", 1))
+        world = (
+            cfg.deploy.consumer_ranks
+            if (cfg.deploy.producers and not cfg.deploy.role)
+            else int(os.environ.get("WORLD_SIZE", 1))
+        )
     at_least = {
-        "batch_size": 1, "eval_batch_size": 1, "log_every": 1, "ttt_length": 1, "draft_vocab_size": 1, "draft_layers": 1,
-        "num_anchors": 1, "moe_top_k": 1, "tp": 1, "max_len": 2, "steps": 0, "num_records": 0, "holdout": 0, "warmup": 0,
-        "stop_after": 0, "ckpt_every": 0, "eval_every": 0, "moe_experts": 0,
+        "batch_size": 1,
+        "eval_batch_size": 1,
+        "log_every": 1,
+        "ttt_length": 1,
+        "draft_vocab_size": 1,
+        "draft_layers": 1,
+        "num_anchors": 1,
+        "moe_top_k": 1,
+        "tp": 1,
+        "max_len": 2,
+        "steps": 0,
+        "num_records": 0,
+        "holdout": 0,
+        "warmup": 0,
+        "stop_after": 0,
+        "ckpt_every": 0,
+        "eval_every": 0,
+        "moe_experts": 0,
     }
     for name, low in at_least.items():
         v = getattr(cfg, name)
@@ -175,8 +195,12 @@ def validate(cfg: TrainConfig, world: int | None = None):
             hint = {"steps": " (0 = one epoch)", "num_records": " (0 = all)"}.get(name, "")
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
     floats = {  # name: (lowest, lowest allowed itself, highest)
-        "lr": (0.0, False, math.inf), "min_lr_ratio": (0.0, True, 1.0), "weight_decay": (0.0, True, math.inf),
-        "grad_clip": (0.0, False, math.inf), "moe_aux_coef": (0.0, True, math.inf), "loss_decay": (0.0, True, math.inf),
+        "lr": (0.0, False, math.inf),
+        "min_lr_ratio": (0.0, True, 1.0),
+        "weight_decay": (0.0, True, math.inf),
+        "grad_clip": (0.0, False, math.inf),
+        "moe_aux_coef": (0.0, True, math.inf),
+        "loss_decay": (0.0, True, math.inf),
     }
     for name, (low, closed, high) in floats.items():
         v = getattr(cfg, name)
@@ -188,8 +212,10 @@ def validate(cfg: TrainConfig, world: int | None = None):
     if cfg.moe_mode not in ("flops", "params"):
         raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
     if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
-                          "data-parallel ranks")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
+            "data-parallel ranks"
+        )
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
@@ -197,7 +223,9 @@ def validate(cfg: TrainConfig, world: int | None = None):
     if cfg.strategy not in FAMILIES:
         raise ConfigError(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(FAMILIES)}")
     default = TrainConfig()
-    for name in sorted(FAMILY_OPTIONS - FAMILIES[cfg.strategy].options):  # an option another family reads: refused, never ignored
+    for name in sorted(
+        FAMILY_OPTIONS - FAMILIES[cfg.strategy].options
+    ):  # an option another family reads: refused, never ignored
         if getattr(cfg, name) != getattr(default, name):
             users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
             raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
@@ -235,7 +263,9 @@ def checkpoints(out: Path) -> list[Path]:
     ck = out / "ckpt"
     if not ck.is_dir():
         return []
-    steps = sorted((d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:]))
+    steps = sorted(
+        (d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:])
+    )
     latest = ck / "latest"
     try:
         named = ck / latest.read_text().strip() if latest.exists() else None
@@ -260,17 +290,27 @@ def check_out(cfg: TrainConfig, rank: int = 0):
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            why = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "no permission to write there",
-                   errno.EPERM: "no permission to write there", errno.ENOSPC: "no space left on that device"}.get(e.errno, e.strerror or str(e))
+            why = {
+                errno.EROFS: "it is on a read-only file system",
+                errno.EACCES: "no permission to write there",
+                errno.EPERM: "no permission to write there",
+                errno.ENOSPC: "no space left on that device",
+            }.get(e.errno, e.strerror or str(e))
             raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
     if cfg.resume:
         if not checkpoints(out):
-            again = "--overwrite instead of --resume to start it again" if previous_run(out) else "no --resume to start a run there"
+            again = (
+                "--overwrite instead of --resume to start it again"
+                if previous_run(out)
+                else "no --resume to start a run there"
+            )
             raise ConfigError(f"--resume: no checkpoint in {out / 'ckpt'} (pass {again})")
     elif not cfg.overwrite and (old := previous_run(out)):
         ck = checkpoints(out)
-        raise ConfigError(f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
-                          "pass --resume to continue it, --overwrite to replace it, or another --out")
+        raise ConfigError(
+            f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
+            "pass --resume to continue it, --overwrite to replace it, or another --out"
+        )
 
 
 def clear_previous_run(out: Path) -> list[str]:
@@ -308,16 +348,22 @@ class Trainer:
         if cfg.objective == "auto":
             cfg = dataclasses.replace(cfg, objective=self.family.objectives[0])
         if cfg.objective not in self.family.objectives:
-            raise SystemExit(f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}")
+            raise SystemExit(
+                f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}"
+            )
         if cfg.compile and cfg.objective.startswith("lk"):
-            raise SystemExit("--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)")
+            raise SystemExit(
+                "--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)"
+            )
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
         if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
             raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
         if kind == "cpu" and cfg.attention.startswith("flex"):
-            raise SystemExit("--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager")
+            raise SystemExit(
+                "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
+            )
         if cfg.backend not in ("hf", "compiled"):
             raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")
         self.cfg = cfg
@@ -334,8 +380,10 @@ class Trainer:
         self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
         if cfg.tp > 1:
             if self.world % cfg.tp or cfg.backend != "compiled" or cfg.features or cfg.deploy.role:
-                raise SystemExit(f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
-                                 "with an online target (no --features, no disaggregated roles)")
+                raise SystemExit(
+                    f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
+                    "with an online target (no --features, no disaggregated roles)"
+                )
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(kind, (self.world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
@@ -352,11 +400,15 @@ class Trainer:
         target_dir = resolve_target(cfg.target)
         V = target_vocab_size(target_dir)
         if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
-            raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
-                              f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's")
+            raise ConfigError(
+                f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
+                f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's"
+            )
         self.store = None
         if cfg.features:
-            self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
+            self.store, self._stored, self.target = open_for_training(
+                cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device
+            )
         elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
             self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
         elif cfg.backend == "compiled":
@@ -365,7 +417,9 @@ class Trainer:
             self.target = FastTarget.from_pretrained(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
             if self.tp_mesh is not None:
                 self.target.parallelize(self.tp_mesh)
-                self.print(f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)")
+                self.print(
+                    f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)"
+                )
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         else:
@@ -408,15 +462,20 @@ class Trainer:
             stats.update(self.store.schema["data"]["stats"])
         else:
             records = load_records(cfg.data, cfg.num_records or None)
-            examples, n_records = build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats), len(records)
+            examples, n_records = (
+                build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats),
+                len(records),
+            )
         try:
             self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
             self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
         except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
             counts = json.dumps(dict(stats, records=n_records))
-            raise DataError(f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
-                            "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
-                            "within --max-len; see README 'Training your own draft')") from None
+            raise DataError(
+                f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
+                "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
+                "within --max-len; see README 'Training your own draft')"
+            ) from None
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
         self.total_steps = cfg.steps or self.batches.per_epoch
@@ -425,7 +484,9 @@ class Trainer:
         longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
         self.row_len = max(cfg.max_len, longest)
         if self.row_len > cfg.max_len:
-            self.print(f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens")
+            self.print(
+                f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
+            )
 
     def _build_draft(self):
         cfg, t = self.cfg, self.target
@@ -433,8 +494,13 @@ class Trainer:
         draft = self.family.build(cfg, t, counts, self.tokenizer)
         self.draft_config = draft.config
         t2d = getattr(draft, "t2d", None)
-        vocab = "" if t2d is None else (
-            f", draft vocab {int(t2d.sum())} covers {counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens")
+        vocab = (
+            ""
+            if t2d is None
+            else (
+                f", draft vocab {int(t2d.sum())} covers {counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens"
+            )
+        )
         draft.to(self.device)
         self.print(f"[draft] {cfg.strategy}: {param_count(draft) / 1e6:.1f}M params{vocab}")
         if self.world > 1:
@@ -454,7 +520,10 @@ class Trainer:
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True if self.device.type == "cuda" and self.world == 1 else None,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=True if self.device.type == "cuda" and self.world == 1 else None,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
@@ -465,12 +534,18 @@ class Trainer:
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the family's random draws (the step; eval batches: < 0)."""
         b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
-        if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
+        if (
+            self.cfg.compile or self.cfg.pad_to_max_len
+        ):  # one shape for every batch: pad to max_len, a multiple of the flex block
             b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
         b = self.family.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
         # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
-        b.update(examples=examples, ntok=int(b["attention_mask"].sum()), row_tokens=b["attention_mask"].numel(),
-                 padded=not bool(b["attention_mask"].all()))
+        b.update(
+            examples=examples,
+            ntok=int(b["attention_mask"].sum()),
+            row_tokens=b["attention_mask"].numel(),
+            padded=not bool(b["attention_mask"].all()),
+        )
         return b
 
     def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
@@ -481,7 +556,9 @@ class Trainer:
         if b is None:
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
         if self.store is not None:
-            feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where"))
+            feats = batch_features(
+                self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where")
+            )
         elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
             feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
         else:
@@ -513,7 +590,9 @@ class Trainer:
         for j in self.bar(range(n_iter), "eval"):
             i = (j * self.dp_size + self.dp_rank) * bs
             w = float(i < len(self.eval_set))
-            _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j)
+            _, stats, counts, _ = self.forward(
+                self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j
+            )
             tot_loss += w * stats["loss_sum"].float().cpu()
             tot_correct += w * stats["correct"].float().cpu()
             tot_counts += w * counts.float().cpu()
@@ -531,7 +610,10 @@ class Trainer:
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
-        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        }
         rngs = [None] * self.world
         if dist.is_initialized():
             dist.all_gather_object(rngs, rng)
@@ -552,8 +634,20 @@ class Trainer:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in model_sd.items()}, tmp / "draft.safetensors")
-            (tmp / "config.json").write_text(json.dumps({"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}, indent=1))
-            torch.save({"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}, tmp / "train_state.pt")
+            (tmp / "config.json").write_text(
+                json.dumps(
+                    {
+                        "strategy": self.cfg.strategy,
+                        "draft": self.draft_config.to_dict(),
+                        "target": str(self.target.path),
+                    },
+                    indent=1,
+                )
+            )
+            torch.save(
+                {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world},
+                tmp / "train_state.pt",
+            )
             if d.exists():
                 shutil.rmtree(d)
             tmp.rename(d)  # a checkpoint directory is complete or absent
@@ -563,14 +657,24 @@ class Trainer:
         except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
             shutil.rmtree(tmp, ignore_errors=True)
             (ck / "latest.tmp").unlink(missing_ok=True)
-            why = "no space left on the device" if getattr(e, "errno", None) == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            why = (
+                "no space left on the device"
+                if getattr(e, "errno", None) == errno.ENOSPC
+                else f"{type(e).__name__}: {e}"
+            )
             try:
                 free = f"; {shutil.disk_usage(ck).free / 2**20:.0f} MiB free there"
             except OSError:
                 free = ""
             kept = [c.name for c in checkpoints(self.out)]
-            raise CheckpointError(f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
-                                  + (f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)" if kept else "no earlier checkpoint")) from None
+            raise CheckpointError(
+                f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
+                + (
+                    f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)"
+                    if kept
+                    else "no earlier checkpoint"
+                )
+            ) from None
 
     def latest_checkpoint(self) -> Path | None:
         found = checkpoints(self.out)
@@ -601,16 +705,22 @@ class Trainer:
                 continue
             break
         else:
-            raise CheckpointError("--resume: no intact checkpoint in " f"{self.out / 'ckpt'}: " + "; ".join(damaged))
+            raise CheckpointError(f"--resume: no intact checkpoint in {self.out / 'ckpt'}: " + "; ".join(damaged))
         if damaged:
-            self.print(f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)")
+            self.print(
+                f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)"
+            )
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         try:
-            set_state_dict(self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
+            set_state_dict(
+                self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
+            )
             self.sched.load_state_dict(state["sched"])
         except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
-                                  f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(
+                f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
+                f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}"
+            ) from None
         if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
             rng = state["rng"][self.rank]
             torch.set_rng_state(rng["torch"])
@@ -629,10 +739,15 @@ class Trainer:
         K = self.cfg.ttt_length
         n_draft = param_count(self.draft)  # DTensor numel is the global size
         n_target = 0
-        if not isinstance(self.target, TargetHeads):  # a target forward runs here (not offline / a consumer of producers)
+        if not isinstance(
+            self.target, TargetHeads
+        ):  # a target forward runs here (not offline / a consumer of producers)
             t = self.target
-            n_target = param_count(t) - t.embed_tokens.weight.numel() + (
-                t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)  # lookups are not matmuls; lm_head is
+            n_target = (
+                param_count(t)
+                - t.embed_tokens.weight.numel()
+                + (t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)
+            )  # lookups are not matmuls; lm_head is
         return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
 
     def sync_device(self):
@@ -647,8 +762,13 @@ class Trainer:
     def packing_summary(self, speed: Throughput) -> dict:
         """run.json: how full the rows of this invocation's training steps were."""
         real, rows = self.global_token_sum([speed.total_real, speed.total_rows])
-        return {"packed": self.pack, "row_len": self.row_len, "real_tokens": int(real), "row_tokens": int(rows),
-                "efficiency": real / max(rows, 1)}
+        return {
+            "packed": self.pack,
+            "row_len": self.row_len,
+            "real_tokens": int(real),
+            "row_tokens": int(rows),
+            "efficiency": real / max(rows, 1),
+        }
 
     # ---- hooks (disagg/roles.py's consumer overrides them) ----
     def step_examples(self, step: int) -> list:
@@ -664,7 +784,12 @@ class Trainer:
         if cfg.overwrite and not cfg.resume and self.rank == 0 and (old := clear_previous_run(self.out)):
             self.print(f"[out] --overwrite: removed the previous run's {', '.join(old)} from {self.out}")
         start = self.load() if cfg.resume else 0
-        meta = run_metadata(cfg, world=self.world, device=self.device, extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)})
+        meta = run_metadata(
+            cfg,
+            world=self.world,
+            device=self.device,
+            extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)},
+        )
         self.log.start(meta, resume=cfg.resume)
         results = {}
         if start == 0:
@@ -690,17 +815,25 @@ class Trainer:
             # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
             # eval, checkpoint, stop), so a bad step is caught before anything is saved
             n = step + 1
-            sync = (n % cfg.log_every == 0 or n == self.total_steps or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
-                    or (cfg.eval_every and n % cfg.eval_every == 0) or (cfg.stop_after and n - start >= cfg.stop_after))
+            sync = (
+                n % cfg.log_every == 0
+                or n == self.total_steps
+                or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
+                or (cfg.eval_every and n % cfg.eval_every == 0)
+                or (cfg.stop_after and n - start >= cfg.stop_after)
+            )
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
                 last = self.latest_checkpoint()
                 raise FloatingPointError(
                     f"non-finite loss at step {step}; parameters were not updated"
                     f"{'' if self.device.type == 'cpu' else ' at this step (on GPU the loss is checked at log/eval/checkpoint steps)'}. "
-                    + (f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)" if last else
-                       f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the way): "
-                       "lower --lr or check the data, then rerun with --overwrite")
+                    + (
+                        f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)"
+                        if last
+                        else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the way): "
+                        "lower --lr or check the data, then rerun with --overwrite"
+                    )
                 )
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
@@ -711,7 +844,11 @@ class Trainer:
             speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
-                m.update(loss=(all_sum(loss.detach().clone()) / self.world).item(), lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+                m.update(
+                    loss=(all_sum(loss.detach().clone()) / self.world).item(),
+                    lr=self.sched.get_last_lr()[0],
+                    grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                )
                 m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
                 self.log.write({"step": step + 1, "split": "train", **m})
                 if bar:
@@ -733,7 +870,9 @@ class Trainer:
                     bar.close()
                 prefetch.close()
                 self.save(step + 1)
-                self.print(f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume")
+                self.print(
+                    f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume"
+                )
                 self.log.finish({"stopped_at": step + 1, "packing": self.packing_summary(speed)})
                 return {"stopped_at": step + 1}
         if bar:
@@ -746,8 +885,10 @@ class Trainer:
         self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
         self.log.finish(results)
         o = self.out
-        self.print(f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
-                   f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}")
+        self.print(
+            f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
+            f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}"
+        )
         return results
 
 
@@ -787,8 +928,10 @@ if __name__ == "__main__":
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
         try:
-            if not cfg.deploy.role:  # the launcher: the options and --out before starting the pools (a consumer restarted
-                validate(cfg)       # by hand into its own --out resumes: disagg/roles.py)
+            if (
+                not cfg.deploy.role
+            ):  # the launcher: the options and --out before starting the pools (a consumer restarted
+                validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
                 check_out(cfg)
             disagg_main(cfg, Trainer)
         except (ConfigError, CheckpointError) as e:

@@ -17,6 +17,7 @@ so a consumer that ignores doc_ids would silently attend across documents: that 
 packs only where every consumer honours them (train.packing_blocker names what does not).
 T is the fullest row's length (like collate's longest example), not always row_len.
 """
+
 import torch
 
 from data.chat import Example
@@ -61,8 +62,14 @@ def pack(examples: list[Example], row_len: int, pad_id: int = 0) -> dict[str, to
     for r in range(R):  # the padding run counts on from 0 (one more document, never trained)
         end = int(attn[r].sum())
         pos[r, end:] = torch.arange(T - end)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "doc_ids": doc, "position_ids": pos,
-            "where": torch.tensor(where, dtype=torch.long).view(-1, 2)}
+    return {
+        "input_ids": ids,
+        "loss_mask": loss,
+        "attention_mask": attn,
+        "doc_ids": doc,
+        "position_ids": pos,
+        "where": torch.tensor(where, dtype=torch.long).view(-1, 2),
+    }
 
 
 def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ Time: median over --iters steps after --warmup (CUDA events). Memory: peak alloc
 the step minus what the inputs and the model already held. One JSON line per combination is
 appended to experiments/results/draft_step_h200.jsonl.
 """
+
 import dataclasses
 import datetime
 import itertools
@@ -36,29 +37,53 @@ from models.layers import param_count  # noqa: E402
 
 def llama8b_draft(draft_vocab: int) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        max_position_embeddings=131072, vocab_size=128256, draft_vocab_size=draft_vocab,
-        target_hidden_size=4096, aux_layers=[1, 15, 28],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=4096,
+        aux_layers=[1, 15, 28],
     )
 
 
 def smollm2_draft(draft_vocab: int) -> Eagle3Config:
     """SmolLM2-135M-Instruct's shapes (30 layers, hidden 576, 9 / 3 heads of 64)."""
     return Eagle3Config(
-        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        max_position_embeddings=8192, vocab_size=49152, draft_vocab_size=draft_vocab,
-        target_hidden_size=576, aux_layers=[1, 14, 26],
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=8192,
+        vocab_size=49152,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=576,
+        aux_layers=[1, 14, 26],
     )
 
 
 def tiny_draft(draft_vocab: int) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=4096, vocab_size=1000, draft_vocab_size=draft_vocab,
-        target_hidden_size=64, aux_layers=[0, 1, 2],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=4096,
+        vocab_size=1000,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=64,
+        aux_layers=[0, 1, 2],
     )
 
 
@@ -103,7 +128,11 @@ def main(args: Args):
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
-    cfg = tiny_draft(300) if smoke else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.target](args.draft_vocab_size)
+    cfg = (
+        tiny_draft(300)
+        if smoke
+        else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.target](args.draft_vocab_size)
+    )
     T = 96 if smoke else args.max_len
     if smoke:
         args.attention = [a for a in args.attention if a != "flex"]  # no flex backward on CPU
@@ -119,9 +148,15 @@ def main(args: Args):
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
     n_params = param_count(draft)
     base = {
-        "name": "draft_step", "seq": T, "batch": args.batch_size, "vocab": cfg.draft_vocab_size,
-        "hidden": cfg.hidden_size, "params_m": round(n_params / 1e6, 1), "dtype": str(dtype).split(".")[-1],
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "name": "draft_step",
+        "seq": T,
+        "batch": args.batch_size,
+        "vocab": cfg.draft_vocab_size,
+        "hidden": cfg.hidden_size,
+        "params_m": round(n_params / 1e6, 1),
+        "dtype": str(dtype).split(".")[-1],
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
 
@@ -161,8 +196,13 @@ def main(args: Args):
                 loss0 = runs[0][2]
                 ref_loss = loss0 if ref_loss is None else ref_loss
                 ms = statistics.median(r[0] for r in runs[args.warmup :])
-                row.update(ms=ms, peak_gib=round(runs[-1][1], 3), tokens_per_s=args.batch_size * T / (ms / 1e3),
-                           loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
+                row.update(
+                    ms=ms,
+                    peak_gib=round(runs[-1][1], 3),
+                    tokens_per_s=args.batch_size * T / (ms / 1e3),
+                    loss_first_step=loss0,
+                    loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss),
+                )
             except torch.OutOfMemoryError:
                 row.update(ms=None, peak_gib=None, oom=True)
                 opt.zero_grad(set_to_none=True)
@@ -181,7 +221,9 @@ def main(args: Args):
         if r.get("oom"):
             print(f"{r['ttt']:4d} {r['impl']:16s}       OOM")
         else:
-            print(f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}")
+            print(
+                f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}"
+            )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ Correctness: each impl is compared with eager once per shape family at a small s
 Every measurement prints a table row and appends one JSON line to --out.
 The end-to-end draft-step benchmark lives elsewhere.
 """
+
 import dataclasses
 import datetime
 import gc
@@ -78,9 +79,9 @@ def main(args: Args):
     import triton
     import triton.testing
 
+    import kernels.ttt_attention
     from kernels.ce import soft_cross_entropy
     from kernels.fused_ce import fused_linear_soft_ce
-    import kernels.ttt_attention
     from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 
     flex_kernel_options = json.loads(args.flex_kernel_options)
@@ -97,11 +98,15 @@ def main(args: Args):
     vocabs = args.draft_vocab_size or ([300] if smoke else [32000, 64000])
     head_vocab = vocabs[0]
     check_seq = args.check_seq or (48 if smoke else 1024)
-    out_path = args.out or (Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl")
+    out_path = args.out or (
+        Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl"
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     meta = dict(
@@ -124,8 +129,11 @@ def main(args: Args):
         ms = "OOM" if r.get("oom") else f"{r['ms']:.3f}"
         pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
         chk = "-" if r.get("check_err") is None else f"{r['check_err']:.1e}" + (" !!" if r["check_err"] > 0.05 else "")
-        print(f"{r['name']:<14} {r['impl']:<14} seq={r['seq']:<6} ttt={str(r['ttt']):<4} vocab={str(r['vocab']):<6} "
-              f"{ms:>10} ms  peak {pk:>7} GiB  check {chk}", flush=True)
+        print(
+            f"{r['name']:<14} {r['impl']:<14} seq={r['seq']:<6} ttt={str(r['ttt']):<4} vocab={str(r['vocab']):<6} "
+            f"{ms:>10} ms  peak {pk:>7} GiB  check {chk}",
+            flush=True,
+        )
 
     def measure(fn):
         """(median ms, peak GiB above the inputs, absolute peak GiB); fn is called once first
@@ -161,7 +169,9 @@ def main(args: Args):
             err = check() if check is not None else None
             fn = make_fn()
             ms, peak, peak_abs = measure(fn)
-            record(name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields)
+            record(
+                name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields
+            )
         except torch.OutOfMemoryError:
             record(name=name, impl=impl, ms=None, peak_gib=None, peak_abs_gib=None, check_err=None, oom=True, **fields)
         finally:
@@ -216,12 +226,21 @@ def main(args: Args):
                     return rel_err(step(impl, inputs, bwd), step(ref, inputs, bwd))
 
                 for i, seq in enumerate(seqs):
+
                     def make(impl=impl, seq=seq, n=n, bwd=bwd):
                         inputs = attn_inputs(seq, n)
                         return lambda: step(impl, inputs, bwd)
 
-                    run_case(name, impl, make, check if i == 0 and impl != ref else None,
-                             seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
+                    run_case(
+                        name,
+                        impl,
+                        make,
+                        check if i == 0 and impl != ref else None,
+                        seq=seq,
+                        ttt=n,
+                        vocab=None,
+                        fwd_only=not bwd,
+                    )
 
     if "attn" in args.only:
         bench_attention("ttt_attention", attn_step, args.attention, "eager")
@@ -274,6 +293,7 @@ def main(args: Args):
     if "ce" in args.only:
         for V in vocabs:
             for impl in ce_impls:
+
                 def check(impl=impl, V=V):
                     if impl == "eager":
                         return None
@@ -282,6 +302,7 @@ def main(args: Args):
                     return rel_err(ce_step(impl, z.detach().clone().requires_grad_(), p, mask), want)
 
                 for i, seq in enumerate(seqs):
+
                     def make(impl=impl, seq=seq, V=V):
                         z, p, mask = ce_inputs(seq, V)
                         return lambda: ce_step(impl, z, p, mask)
@@ -305,6 +326,7 @@ def main(args: Args):
     if "head" in args.only:
         V = head_vocab
         for impl in ["eager", "matmul+triton", "fused"]:
+
             def check(impl=impl):
                 if impl == "eager":
                     return None
@@ -312,6 +334,7 @@ def main(args: Args):
                 return rel_err(head_step(impl, *inputs), head_step("eager", *inputs))
 
             for i, seq in enumerate(seqs):
+
                 def make(impl=impl, seq=seq):
                     inputs = head_inputs(seq, V)
                     return lambda: head_step(impl, *inputs)
@@ -325,8 +348,10 @@ def main(args: Args):
         ms = "OOM" if r["oom"] else f"{r['ms']:.3f}"
         pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         chk = "-" if r["check_err"] is None else f"{r['check_err']:.1e}"
-        print(f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
-              f"{ms:>10} {pk:>9} {chk:>8}")
+        print(
+            f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
+            f"{ms:>10} {pk:>9} {chk:>8}"
+        )
 
 
 if __name__ == "__main__":

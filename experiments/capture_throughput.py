@@ -22,6 +22,7 @@ Correctness, inline: on one short sequence the captured aux/final hidden states 
 output_hidden_states[i + 1] and lm_head(final) equals HF's logits (max rel. error printed).
 Every measurement prints a row and appends one JSON line (hardware, versions, commit) to --out.
 """
+
 import dataclasses
 import datetime
 import json
@@ -38,13 +39,34 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                tie_word_embeddings=False)
-LLAMA_8B_SMOKE = {**LLAMA_8B, "hidden_size": 128, "intermediate_size": 256,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "num_hidden_layers": 8}
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=False,
+)
+LLAMA_8B_SMOKE = {
+    **LLAMA_8B,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "num_hidden_layers": 8,
+}
 
 
 @dataclasses.dataclass
@@ -89,7 +111,10 @@ def random_llama(shape: dict, device, dtype):
     rot = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(rot)(cfg)
-    assert torch.isfinite(model.model.rotary_emb.inv_freq).all() and model.model.rotary_emb.inv_freq.device.type == device.type
+    assert (
+        torch.isfinite(model.model.rotary_emb.inv_freq).all()
+        and model.model.rotary_emb.inv_freq.device.type == device.type
+    )
     return model.eval()
 
 
@@ -101,11 +126,18 @@ def env_info(device) -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = "unknown"
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "commit": commit or "unknown", "host": platform.node()}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": commit or "unknown",
+        "host": platform.node(),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
@@ -126,7 +158,11 @@ def main(args: Args):
     seqs = args.max_len or ([128] if args.smoke else [4096])
     batch_tokens = args.batch_tokens or (512 if args.smoke else 32768)
     reps = args.iters or (2 if args.smoke else 5)
-    out = args.out or (Path(tempfile.gettempdir()) / "capture_smoke.jsonl" if args.smoke else ROOT / "experiments" / "results" / "capture_h200.jsonl")
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "capture_smoke.jsonl"
+        if args.smoke
+        else ROOT / "experiments" / "results" / "capture_h200.jsonl"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     info = env_info(device)
     print(f"# {info}", flush=True)
@@ -156,8 +192,11 @@ def main(args: Args):
         rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         err = max(rel(f.aux_hidden, want), rel(target.lm_head(f.final_hidden), ref.logits))
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), f"{name}: capture differs from HF by {err}"
-        print(f"# {name}: {c.num_hidden_layers} layers, H={H}, V={V}, aux {target.aux_layers}, {dtype}, "
-              f"loaded in {load_s:.1f} s; check vs HF: max rel err {err:.1e}", flush=True)
+        print(
+            f"# {name}: {c.num_hidden_layers} layers, H={H}, V={V}, aux {target.aux_layers}, {dtype}, "
+            f"loaded in {load_s:.1f} s; check vs HF: max rel err {err:.1e}",
+            flush=True,
+        )
 
         for seq in seqs:
             B = max(1, batch_tokens // seq)
@@ -165,8 +204,17 @@ def main(args: Args):
             gen = torch.Generator().manual_seed(seq)
             batch = [Example(torch.randint(0, V, (seq,), generator=gen).tolist(), [1] * seq) for _ in range(B)]
             x = torch.tensor([e.input_ids for e in batch], device=device)
-            row = {"bench": "capture", "target": name, "seq": seq, "batch": B, "dtype": str(dtype).removeprefix("torch."),
-                   "hidden": H, "layers": c.num_hidden_layers, "n_aux": len(target.aux_layers), **info}
+            row = {
+                "bench": "capture",
+                "target": name,
+                "seq": seq,
+                "batch": B,
+                "dtype": str(dtype).removeprefix("torch."),
+                "hidden": H,
+                "layers": c.num_hidden_layers,
+                "n_aux": len(target.aux_layers),
+                **info,
+            }
             try:
                 # forward only
                 times = []
@@ -185,12 +233,16 @@ def main(args: Args):
                 if device.type == "cuda":
                     row["peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
                     # 2 * params * tokens (+ attention 4 * L * T^2 * H / 2 causal) FLOPs
-                    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+                    n_params = sum(
+                        p.numel() for n, p in target.model.named_parameters() if "embed" not in n and "lm_head" not in n
+                    )
                     flops = 2 * n_params * ntok + 2 * c.num_hidden_layers * B * seq * seq * H
                     row["fwd_tflops"] = flops / statistics.median(times) / 1e12
                 # capture: forward + host copy + pack + atomic shard write, as capture.py does
-                store = FeatureStore(Path(tmp.name) / f"{name}-{seq}", feature_schema(
-                    {"fingerprint": name}, target.aux_layers, H, dtype, {"num_examples": B}))
+                store = FeatureStore(
+                    Path(tmp.name) / f"{name}-{seq}",
+                    feature_schema({"fingerprint": name}, target.aux_layers, H, dtype, {"num_examples": B}),
+                )
                 cap, put, nbytes = [], [], 0
                 for i in range(args.warmup + reps):
                     t = time.perf_counter()
@@ -213,10 +265,13 @@ def main(args: Args):
                 row["error"] = f"OOM: {str(e)[:200]}"
                 torch.cuda.empty_cache()
             row["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-            print(f"{name:8s} seq {seq:5d} x{B:<3d} fwd {row.get('fwd_tok_s', 0):10.0f} tok/s "
-                  f"({row.get('fwd_tflops', 0):.0f} TFLOP/s)  capture {row.get('capture_tok_s', 0):10.0f} tok/s  "
-                  f"{row.get('bytes_per_token', 0):7.0f} B/tok  write {row.get('write_gb_s', 0):.2f} GB/s  "
-                  f"peak {row.get('peak_gib', 0):.1f} GiB {row.get('error', '')}", flush=True)
+            print(
+                f"{name:8s} seq {seq:5d} x{B:<3d} fwd {row.get('fwd_tok_s', 0):10.0f} tok/s "
+                f"({row.get('fwd_tflops', 0):.0f} TFLOP/s)  capture {row.get('capture_tok_s', 0):10.0f} tok/s  "
+                f"{row.get('bytes_per_token', 0):7.0f} B/tok  write {row.get('write_gb_s', 0):.2f} GB/s  "
+                f"peak {row.get('peak_gib', 0):.1f} GiB {row.get('error', '')}",
+                flush=True,
+            )
             with open(out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
         del target

@@ -10,6 +10,7 @@ training. The held-out evaluation is train.py's own (Trainer.evaluate, same mask
 counts), run once per token subset with the loss mask narrowed to it. One JSON row goes to
 --out (default experiments/results/useful_draft/loop_acc.jsonl).
 """
+
 import dataclasses
 import gzip
 import json
@@ -63,7 +64,7 @@ class Args:
 def main(a: Args):
     from export import open_draft
     from runlog import run_metadata
-    from train import Trainer, TrainConfig
+    from train import TrainConfig, Trainer
 
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())
@@ -76,8 +77,17 @@ def main(a: Args):
     (tmp / "chats.jsonl").write_text("".join(rows))
     # train.py builds the target, tokenizes and holds the chats out exactly as in training; the rest
     # form the "training" split (it only sets the draft vocabulary, which the loaded draft replaces)
-    cfg = TrainConfig(data=str(tmp / "chats.jsonl"), num_records=0, holdout=a.holdout, max_len=a.max_len,
-                      out=str(tmp / "run"), device="cpu", batch_size=1, eval_batch_size=4, progress=False)
+    cfg = TrainConfig(
+        data=str(tmp / "chats.jsonl"),
+        num_records=0,
+        holdout=a.holdout,
+        max_len=a.max_len,
+        out=str(tmp / "run"),
+        device="cpu",
+        batch_size=1,
+        eval_batch_size=4,
+        progress=False,
+    )
     tr = Trainer(cfg)
     draft, _ = open_draft(a.draft)
     tr.draft = tr.draft_step = draft.to(tr.device).eval()
@@ -86,10 +96,19 @@ def main(a: Args):
     subsets = {
         "all": full,
         "loop": [dataclasses.replace(e, loss_mask=lp) for e, lp in zip(full, loops)],
-        "no_loop": [dataclasses.replace(e, loss_mask=[m * (1 - x) for m, x in zip(e.loss_mask, lp)]) for e, lp in zip(full, loops)],
+        "no_loop": [
+            dataclasses.replace(e, loss_mask=[m * (1 - x) for m, x in zip(e.loss_mask, lp)])
+            for e, lp in zip(full, loops)
+        ],
     }
-    row = {"what": "loop_acc", "draft": a.draft, "data": a.data, "records": f"{len(rows)} evenly spaced after the first {a.first}",
-           "held_out_chats": len(full), "max_len": a.max_len}
+    row = {
+        "what": "loop_acc",
+        "draft": a.draft,
+        "data": a.data,
+        "records": f"{len(rows)} evenly spaced after the first {a.first}",
+        "held_out_chats": len(full),
+        "max_len": a.max_len,
+    }
     n_all = sum(sum(e.loss_mask) for e in full)
     row["tokens"] = n_all
     row["loop_token_share"] = round(sum(map(sum, loops)) / max(n_all, 1), 4)
@@ -100,9 +119,12 @@ def main(a: Args):
         row[name] = {k: round(v, 4) for k, v in m.items() if k.startswith("acc_")}
         print(f"[{name}] " + " ".join(f"{k}={v:.3f}" for k, v in row[name].items()), flush=True)
     meta = run_metadata(cfg, world=1, device=tr.device)
-    row.update(seconds=round(time.time() - t0), date=time.strftime("%Y-%m-%d"),
-               command="python experiments/loop_acc.py " + " ".join(sys.argv[1:]),
-               **{k: meta[k] for k in ("versions", "hardware", "git_commit") if k in meta})
+    row.update(
+        seconds=round(time.time() - t0),
+        date=time.strftime("%Y-%m-%d"),
+        command="python experiments/loop_acc.py " + " ".join(sys.argv[1:]),
+        **{k: meta[k] for k in ("versions", "hardware", "git_commit") if k in meta},
+    )
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "hardware")}), flush=True)

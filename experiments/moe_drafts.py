@@ -13,6 +13,7 @@ states the sizes; I = the dense intermediate size, every MoE routes top-1):
 Rows: experiments/results/moe_drafts.csv. MoE drafts are measured from their training checkpoints
 (evaluate.py); export.py refuses them (no serving engine loads an MoE EAGLE-3 draft).
 """
+
 import sys
 from pathlib import Path
 

@@ -6,6 +6,7 @@ experiments/results/packing_efficiency.jsonl and printed.
 
     ./dev python experiments/packing_efficiency.py [--data sharegpt-greedy] [--num-records 0] [--max-len 1024 2048 4096]
 """
+
 import dataclasses
 import json
 import sys
@@ -35,8 +36,12 @@ def epoch_efficiency(lengths: list[int], max_len: int, batch: int, seed: int = 0
         R = 1 + max(r for r, _ in where)
         n_rows += R
         rows_packed += R * max(s + n for (_, s), n in zip(where, ls))
-    return {"unpacked_longest": real / rows_longest, "unpacked_max_len": real / rows_max, "packed": real / rows_packed,
-            "rows_per_batch_packed": n_rows / batches.per_epoch}
+    return {
+        "unpacked_longest": real / rows_longest,
+        "unpacked_max_len": real / rows_max,
+        "packed": real / rows_packed,
+        "rows_per_batch_packed": n_rows / batches.per_epoch,
+    }
 
 
 @dataclasses.dataclass
@@ -59,8 +64,15 @@ def main(a: Args):
         stats = Counter()
         lengths = [len(e.input_ids) for e in build_examples(records, tok, max_len, stats)]
         for batch in a.batch_size:
-            row = {"data": a.data, "conversations": len(lengths), "mean_tokens": sum(lengths) / len(lengths), "max_len": max_len,
-                   "batch": batch, **epoch_efficiency(lengths, max_len, batch), "date": time.strftime("%Y-%m-%d")}
+            row = {
+                "data": a.data,
+                "conversations": len(lengths),
+                "mean_tokens": sum(lengths) / len(lengths),
+                "max_len": max_len,
+                "batch": batch,
+                **epoch_efficiency(lengths, max_len, batch),
+                "date": time.strftime("%Y-%m-%d"),
+            }
             print(json.dumps(row), flush=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

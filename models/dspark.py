@@ -25,6 +25,7 @@ Training (DeepSpec compute_dspark_loss, teacher-forced prefixes x = the data tok
   loss  = 0.1·ce + 0.9·l1 + 1.0·conf
 acc_k = argmax(logits_k) == label; greedy verification accepts while that holds.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
-from models.dflash import BLOCK_OPTIONS, BlockBatch, BlockProposer, DFlashConfig, DFlashDraft, block_counts, block_family_batch, block_family_host
+from models.dflash import (
+    BLOCK_OPTIONS,
+    BlockBatch,
+    BlockProposer,
+    DFlashConfig,
+    DFlashDraft,
+    block_counts,
+    block_family_batch,
+    block_family_host,
+)
 from models.family import Family, Serving, block_attention, pick_mask_token
 from models.proposer import Tree
 
@@ -109,7 +119,9 @@ class DSparkDraft(DFlashDraft):
 
     # ---- inference ----
     @torch.no_grad()
-    def block_logits(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None):
+    def block_logits(
+        self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None
+    ):
         """(logits [K, V], confidence [K]) of one block: the parallel backbone, then the Markov
         head left to right. tokens = the drafted tokens to condition on; None = greedy (what vLLM's
         DSparkSpeculator does with draft_sample_method greedy)."""
@@ -153,7 +165,9 @@ class DSparkProposer(BlockProposer):
 
 # ---------------------------------------------------------------- the family contract (models/family.py)
 def _build(cfg, target, counts, tokenizer):  # blocks of K slots: the anchor slot predicts too
-    c = DSparkConfig.from_target(target.config, target.aux_layers, cfg.ttt_length, pick_mask_token(tokenizer, counts), cfg.draft_layers)
+    c = DSparkConfig.from_target(
+        target.config, target.aux_layers, cfg.ttt_length, pick_mask_token(tokenizer, counts), cfg.draft_layers
+    )
     return DSparkDraft(c)
 
 
@@ -164,9 +178,19 @@ def _make_batch(feats, b, target, draft):
 
 
 FAMILY = Family(
-    name="dspark", config_cls=DSparkConfig, draft_cls=DSparkDraft, objectives=("ce-l1-conf",), options=BLOCK_OPTIONS,
-    build=_build, host=block_family_host, make_batch=_make_batch, counts=lambda batch, draft, cfg: block_counts(batch),
+    name="dspark",
+    config_cls=DSparkConfig,
+    draft_cls=DSparkDraft,
+    objectives=("ce-l1-conf",),
+    options=BLOCK_OPTIONS,
+    build=_build,
+    host=block_family_host,
+    make_batch=_make_batch,
+    counts=lambda batch, draft, cfg: block_counts(batch),
     step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
-    proposer=lambda draft, model, depth, topk: DSparkProposer(draft, model.get_input_embeddings(), model.get_output_embeddings().weight),
-    serving=Serving("block", ("vllm",), "dspark", architecture="Qwen3DSparkModel"), packs=True,
+    proposer=lambda draft, model, depth, topk: DSparkProposer(
+        draft, model.get_input_embeddings(), model.get_output_embeddings().weight
+    ),
+    serving=Serving("block", ("vllm",), "dspark", architecture="Qwen3DSparkModel"),
+    packs=True,
 )

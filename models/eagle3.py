@@ -34,6 +34,7 @@ of each trained row directly:
 The batch mean is over the global batch: the α sums are all-reduced (detached), and each rank's
 share of -log(Σα/N) is written so that the ranks' gradients sum to the exact global gradient.
 """
+
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -58,8 +59,10 @@ from models.proposer import Proposer, Tree
 # TTT 7; BENCHMARKS.md), so it is an option to study, not the default.
 # Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
 ATTENTION = {
-    "eager": lambda n: ttt_attention_eager, "lse": lambda n: ttt_attention_lse,
-    "flex": lambda n: ttt_attention_flex, "flex_buf": TTTFlexAttention,
+    "eager": lambda n: ttt_attention_eager,
+    "lse": lambda n: ttt_attention_lse,
+    "flex": lambda n: ttt_attention_flex,
+    "flex_buf": TTTFlexAttention,
 }
 # head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
@@ -210,8 +213,16 @@ class Eagle3Draft(nn.Module):
         return self.finish(out, hidden_BTH), (k, v)
 
     # ---- training: the TTT unroll ----
-    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch",
-                rows: torch.Tensor | None = None, objective: str = "kl"):
+    def forward(
+        self,
+        batch: "Eagle3Batch",
+        ttt_length: int,
+        counts: torch.Tensor,
+        attention: str = "eager",
+        loss: str = "torch",
+        rows: torch.Tensor | None = None,
+        objective: str = "kl",
+    ):
         """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
         loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
         the global batch whatever the rank split. rows [K, R] (optional, from select_rows on the
@@ -223,7 +234,11 @@ class Eagle3Draft(nn.Module):
         if batch.doc_ids is not None:  # packed rows: step-0 keys of the query's own document only
             attend = _with_documents(attend, batch.doc_ids)
         B, T, _ = batch.embeds.shape
-        positions = batch.position_ids if batch.position_ids is not None else torch.arange(T, device=batch.embeds.device).expand(B, T)
+        positions = (
+            batch.position_ids
+            if batch.position_ids is not None
+            else torch.arange(T, device=batch.embeds.device).expand(B, T)
+        )
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
         draft_ids = self.draft_ids
         hidden = self.project(batch.aux_hidden)
@@ -251,7 +266,9 @@ class Eagle3Draft(nn.Module):
                 loss_sum, top_draft = self.head_loss(out.reshape(B * T, -1)[sel], p, weight, loss)
                 total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
             else:
-                loss_k, loss_sum, top_draft = self.lk_loss(out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective)
+                loss_k, loss_sum, top_draft = self.lk_loss(
+                    out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective
+                )
                 total = total + (0.8**k) * loss_k
             if self.config.moe_experts:  # load balance, averaged over steps; a share per rank like the rest
                 total = total + self.config.moe_aux_coef * self.midlayer.mlp.aux_loss / (ttt_length * _world())
@@ -317,7 +334,9 @@ class Eagle3Batch:
 
 
 @torch.no_grad()
-def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids, doc_ids=None, position_ids=None) -> Eagle3Batch:
+def make_batch(
+    features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids, doc_ids=None, position_ids=None
+) -> Eagle3Batch:
     # one sequence at a time: the [T, V] target logits (1 GiB at T = 4096, V = 128k, bf16)
     # exist once instead of B times
     B, T = input_ids.shape
@@ -380,7 +399,9 @@ def step_masks(batch: Eagle3Batch, t2d: torch.Tensor, ttt_length: int):
     return out
 
 
-def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+def select_rows(
+    loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256, doc_ids_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """[K, R] int64 flat row indices b*T + t trained at each TTT step (token t+2+k is assistant
     output, in t's document for packed rows), from the loss mask on the host, padded with -1 to
     one size R (a multiple of `multiple`, so compiled shapes repeat). Row counts shrink with k, so R fits every step."""
@@ -483,7 +504,9 @@ class Eagle3Proposer(Proposer):
 # ---------------------------------------------------------------- the family contract (models/family.py)
 def _build(cfg, target, counts, tokenizer):
     moe = {k: getattr(cfg, k) for k in MOE_OPTIONS}  # MoE draft MLP
-    c = Eagle3Config.from_target(target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe)
+    c = Eagle3Config.from_target(
+        target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe
+    )
     return with_vocab(Eagle3Draft(c), counts, cfg.draft_vocab_size)
 
 
@@ -494,11 +517,28 @@ def _host(b, cfg, device, key, first=0):
 
 
 def _make_batch(feats, b, target, draft):
-    return make_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids, b.get("doc_ids"), b.get("position_ids"))
+    return make_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        b.get("doc_ids"),
+        b.get("position_ids"),
+    )
 
 
 def _step(module, batch, counts, cfg, b, schedule):
-    return module(batch, cfg.ttt_length, counts, attention=cfg.attention, loss=cfg.loss, rows=b.get("rows"), objective=cfg.objective)
+    return module(
+        batch,
+        cfg.ttt_length,
+        counts,
+        attention=cfg.attention,
+        loss=cfg.loss,
+        rows=b.get("rows"),
+        objective=cfg.objective,
+    )
 
 
 def _proposer(draft, model, depth, topk):
@@ -507,8 +547,20 @@ def _proposer(draft, model, depth, topk):
 
 MOE_OPTIONS = ("moe_experts", "moe_top_k", "moe_shared", "moe_mode", "moe_aux_coef")
 FAMILY = Family(
-    name="eagle3", config_cls=Eagle3Config, draft_cls=Eagle3Draft, objectives=OBJECTIVES,
+    name="eagle3",
+    config_cls=Eagle3Config,
+    draft_cls=Eagle3Draft,
+    objectives=OBJECTIVES,
     options=frozenset({"draft_vocab_size", "fc_norm", "norm_output", *MOE_OPTIONS}),
-    build=_build, host=_host, make_batch=_make_batch, counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
-    step=_step, proposer=_proposer, serving=Serving("eagle3", ("vllm", "sglang"), "eagle3"), draft_vocab=True, packs=True, ttt_passes=True, decode_depth=True,
+    build=_build,
+    host=_host,
+    make_batch=_make_batch,
+    counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
+    step=_step,
+    proposer=_proposer,
+    serving=Serving("eagle3", ("vllm", "sglang"), "eagle3"),
+    draft_vocab=True,
+    packs=True,
+    ttt_passes=True,
+    decode_depth=True,
 )

@@ -1,6 +1,7 @@
 """Every draft family, one line each (its network and contract are its file in models/; the
 contract's fields are in models/family.py). Adding a family: a new file that ends with
 `FAMILY = Family(...)`, and a line here."""
+
 import torch
 
 from models import dflash, domino, dspark, eagle3, peagle

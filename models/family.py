@@ -35,6 +35,7 @@ K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle)
 slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K whose
 anchor slot predicts the first token).
 """
+
 from dataclasses import dataclass, field
 from typing import Callable
 

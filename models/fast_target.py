@@ -34,6 +34,7 @@ head counts are read from the projected shapes (view(..., -1, head_dim)), so a l
 unchanged on its local heads. Plain sharded tensors + one functional all-reduce per sub-layer,
 not DTensor: see `parallelize` for why.
 """
+
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,26 +53,77 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Real config.json values of the benchmark targets (random weights are built from these).
 PRESETS = {
     "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu",
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
     ),
     "qwen3-8b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
-        use_sliding_window=False, bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
     "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.001,
-        bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+        router_aux_loss_coef=0.001,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
 }
 
@@ -103,15 +155,18 @@ class TargetConfig:
     hf: dict = field(default_factory=dict, repr=False)  # the config.json it came from
 
     def is_moe(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> "TargetConfig":
         """From a config.json dict (or an HF config's to_dict()); raises for what is not built here."""
         kind = d.get("model_type")
         if kind not in FAMILIES:
-            raise NotImplementedError(f"compiled backend: model_type {kind!r} not supported ({', '.join(FAMILIES)}); use --backend hf")
+            raise NotImplementedError(
+                f"compiled backend: model_type {kind!r} not supported ({', '.join(FAMILIES)}); use --backend hf"
+            )
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias"):
             raise NotImplementedError("compiled backend: only silu MLPs without biases")
         if d.get("use_sliding_window") and kind != "llama":
@@ -125,18 +180,28 @@ class TargetConfig:
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         return cls(
-            model_type=kind, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d["rms_norm_eps"],
-            rope_parameters=rope, max_position_embeddings=d["max_position_embeddings"],
+            model_type=kind,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d["rms_norm_eps"],
+            rope_parameters=rope,
+            max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+            qkv_bias=kind == "qwen2" or bias,
+            o_bias=kind != "qwen2" and bias,
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if kind == "qwen3_moe" else 0,
-            num_experts_per_tok=d.get("num_experts_per_tok", 0), moe_intermediate_size=d.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)), decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(d.get("mlp_only_layers") or []), hf=dict(d),
+            num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            hf=dict(d),
         )
 
     @classmethod
@@ -385,7 +450,9 @@ class FastTarget(nn.Module):
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if (kind := c.rope_parameters.get("rope_type", "default")) not in LOCAL_ROPE:
-            raise NotImplementedError(f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf")
+            raise NotImplementedError(
+                f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf"
+            )
         inv_freq, self.rope_scale = rope_inv_freq(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
@@ -396,7 +463,9 @@ class FastTarget(nn.Module):
 
     # ---- construction: meta device first, then real storage exactly once ----
     @classmethod
-    def from_config(cls, config: TargetConfig, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True, seed=0):
+    def from_config(
+        cls, config: TargetConfig, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True, seed=0
+    ):
         """Random weights (normal, std 0.02; norms 1; biases 0), allocated on `device` directly."""
         with torch.device("meta"):
             m = cls(config, aux_layers, need_final)
@@ -521,8 +590,10 @@ class FastTarget(nn.Module):
             sizes["moe_intermediate_size"] = c.moe_intermediate_size
         bad = {k: v for k, v in sizes.items() if v % tp}
         if bad:
-            raise ValueError(f"tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                             f"(each rank holds whole heads and an equal share of the MLP); choose --tp among the common divisors")
+            raise ValueError(
+                f"tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                f"(each rank holds whole heads and an equal share of the MLP); choose --tp among the common divisors"
+            )
 
         def shard(t, dim):  # rank r's contiguous 1/tp of dim, in its own storage (the full tensor is freed)
             return nn.Parameter(t.chunk(tp, dim)[r].clone(memory_format=torch.contiguous_format), requires_grad=False)
@@ -569,11 +640,16 @@ class FastTarget(nn.Module):
         if doc_ids is None and attention_mask is not None:
             doc_ids = attention_mask.to(torch.int32) - 1  # one document per row, padding -1
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T) if doc_ids is None else positions_from_docs(doc_ids)
+            position_ids = (
+                torch.arange(T, device=input_ids.device).expand(B, T)
+                if doc_ids is None
+                else positions_from_docs(doc_ids)
+            )
         block_mask = None
         if doc_ids is not None:
-            block_mask = create_block_mask(document_mask(doc_ids), B, None, T, T, device=input_ids.device,
-                                           _compile=input_ids.is_cuda)
+            block_mask = create_block_mask(
+                document_mask(doc_ids), B, None, T, T, device=input_ids.device, _compile=input_ids.is_cuda
+            )
         if getattr(self, "cudagraphs", False):
             torch.compiler.cudagraph_mark_step_begin()  # last call's graph outputs may be reused
         h = self.model.embed_tokens(input_ids)

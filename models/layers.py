@@ -4,6 +4,7 @@ it trains against normalise and rotate with the same ops in the same order.
 
 Shapes: B batch, T tokens, H hidden, Hq / Hkv query / key-value heads, D head_dim.
 """
+
 import math
 
 import torch
@@ -56,8 +57,13 @@ def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        hf = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=D,
-                         max_position_embeddings=c.max_position_embeddings, rope_parameters=dict(rope))
+        hf = LlamaConfig(
+            hidden_size=c.hidden_size,
+            num_attention_heads=c.num_attention_heads,
+            head_dim=D,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=dict(rope),
+        )
         return ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
     inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)
     if kind == "linear":

@@ -3,6 +3,7 @@ MLP replaced by routed experts (Eagle3Config's moe_* fields; train.py --moe-*). 
 in moe_expert_size, FLOPs in mlp_flops_per_token. State-dict keys under the MLP:
 router.weight [E, H], experts.<e>.{gate,up,down}_proj.weight, shared_expert.* (moe_shared).
 """
+
 from typing import TYPE_CHECKING
 
 import torch

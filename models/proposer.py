@@ -2,6 +2,7 @@
 the draft's own KV cache, proposes a Tree of target token ids from the committed ids, and catches
 up on the rows the target verified. Each family's proposer lives in its file in models/; this
 base proposes nothing (plain greedy decoding through the same loop: the τ = 1 baseline)."""
+
 from dataclasses import dataclass, field
 
 import torch

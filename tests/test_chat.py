@@ -1,5 +1,6 @@
 """Loss-mask golden tests: the trained tokens are exactly the assistant replies (plus the
 template's end-of-turn marker), for ChatML (SmolLM2's own), Llama-3 and Qwen-style templates."""
+
 import copy
 from collections import Counter
 
@@ -56,7 +57,9 @@ def test_golden_multi_turn(tok, template, end):
     if template:
         tok.chat_template = template
     if template is LLAMA3:  # as in the real Llama-3 tokenizer, its markers are single special tokens
-        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+        tok.add_special_tokens(
+            {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        )
     ex = tokenize_chat(tok, CHAT, max_len=4096)
     assert trained_runs(tok, ex) == ["Hello, how can I help?" + end, "It is 4." + end]
     # tokens are exactly what the template renders, so training sees what serving sees

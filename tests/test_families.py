@@ -3,6 +3,7 @@ is written here): it trains (its build / host / make_batch / counts / step lower
 checkpoint loads back, export.py writes every engine format it declares and reads it back to the
 same tensors, and evaluate.py's decoding loop drafts with its proposer and emits plain greedy
 decoding. A new family gets all of this by its one line in the registry."""
+
 import json
 from types import SimpleNamespace
 
@@ -22,7 +23,13 @@ from train import ConfigError, TrainConfig, validate
 def _config(name: str) -> TrainConfig:
     f = FAMILIES[name]
     small = {"ttt_length": 3, "num_anchors": 3, "draft_vocab_size": 64}
-    return TrainConfig(strategy=name, attention="eager", loss="torch", objective=f.objectives[0], **{k: v for k, v in small.items() if k not in FAMILY_OPTIONS or k in f.options})
+    return TrainConfig(
+        strategy=name,
+        attention="eager",
+        loss="torch",
+        objective=f.objectives[0],
+        **{k: v for k, v in small.items() if k not in FAMILY_OPTIONS or k in f.options},
+    )
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -41,7 +48,11 @@ def test_family_trains_exports_and_decodes(tmp_path, name):
     losses = []
     for _ in range(6):
         loss, stats, counts, _ = _strategy_step(name, cfg, target, draft, b)
-        assert counts.shape == (cfg.ttt_length, 2) and (counts[:, 1] > 0).any() and stats["loss_sum"].shape == (cfg.ttt_length,)
+        assert (
+            counts.shape == (cfg.ttt_length, 2)
+            and (counts[:, 1] > 0).any()
+            and stats["loss_sum"].shape == (cfg.ttt_length,)
+        )
         opt.step()
         losses.append(float(loss))
     assert losses[-1] < losses[0], losses
@@ -80,7 +91,14 @@ def test_options_of_other_families_are_refused(name):
     f = FAMILIES[name]
     for option in sorted(FAMILY_OPTIONS - f.options):
         value = getattr(TrainConfig(), option)
-        bad = TrainConfig(strategy=name, **{option: (not value) if isinstance(value, bool) else (value + 1 if not isinstance(value, str) else "params")})
+        bad = TrainConfig(
+            strategy=name,
+            **{
+                option: (not value)
+                if isinstance(value, bool)
+                else (value + 1 if not isinstance(value, str) else "params")
+            },
+        )
         with pytest.raises(ConfigError, match=f"--{option.replace('_', '-')} applies to --strategy .* not {name}"):
             validate(bad, world=1)
     validate(TrainConfig(strategy=name), world=1)

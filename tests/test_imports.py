@@ -7,13 +7,25 @@ anywhere in the file, at top level or inside a function (not under `if TYPE_CHEC
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
   export.py, evaluate.py, gate.py, experiments/, tools/).
 """
+
 import ast
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # library modules; every other module is an entry script
-LIBRARY = ("batched_chain", "config", "distributed", "features", "runlog", "speculative", "data", "disagg", "kernels", "models")
+LIBRARY = (
+    "batched_chain",
+    "config",
+    "distributed",
+    "features",
+    "runlog",
+    "speculative",
+    "data",
+    "disagg",
+    "kernels",
+    "models",
+)
 
 
 def module_name(rel: Path) -> str:
@@ -29,8 +41,13 @@ def import_graph(root: Path, files: list[Path]) -> dict[str, set[str]]:
         package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
         tree = ast.parse((root / f).read_text(), str(f))
         # `if TYPE_CHECKING:` imports never run (annotations only): not edges
-        typing_only = {id(n) for b in ast.walk(tree) if isinstance(b, ast.If) and ast.unparse(b.test).endswith("TYPE_CHECKING")
-                       for stmt in b.body for n in ast.walk(stmt)}
+        typing_only = {
+            id(n)
+            for b in ast.walk(tree)
+            if isinstance(b, ast.If) and ast.unparse(b.test).endswith("TYPE_CHECKING")
+            for stmt in b.body
+            for n in ast.walk(stmt)
+        }
         for node in ast.walk(tree):
             if id(node) in typing_only:
                 continue
@@ -41,7 +58,10 @@ def import_graph(root: Path, files: list[Path]) -> dict[str, set[str]]:
                 if node.level:  # relative: from the package, level-1 packages up
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)] if package else []
                     base = ".".join([*up, *([base] if base else [])])
-                names = [f"{base}.{a.name}".lstrip(".") if f"{base}.{a.name}".lstrip(".") in mods else base for a in node.names]
+                names = [
+                    f"{base}.{a.name}".lstrip(".") if f"{base}.{a.name}".lstrip(".") in mods else base
+                    for a in node.names
+                ]
             else:
                 continue
             for name in names:
@@ -61,7 +81,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state and (c := visit(n)):
                 return c
         stack.pop()
@@ -83,7 +103,13 @@ def library_to_entry(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 
 def project_graph() -> dict[str, set[str]]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     files = [Path(p) for p in out.split() if not p.startswith("tests/")]
     return import_graph(ROOT, files)
 
@@ -104,11 +130,18 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
     (tmp_path / "disagg" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
     (tmp_path / "disagg" / "control.py").write_text("from . import roles\nfrom .roles import f\n")
     (tmp_path / "train.py").write_text("import torch\nimport disagg.roles\n")
-    (tmp_path / "capture.py").write_text("from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n")
+    (tmp_path / "capture.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n"
+    )
     files = [Path(p) for p in ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")]
     graph = import_graph(tmp_path, files)
-    assert graph == {"disagg": set(), "disagg.roles": {"train"}, "disagg.control": {"disagg.roles"}, "train": {"disagg.roles"},
-                     "capture": {"disagg.control"}}
+    assert graph == {
+        "disagg": set(),
+        "disagg.roles": {"train"},
+        "disagg.control": {"disagg.roles"},
+        "train": {"disagg.roles"},
+        "capture": {"disagg.control"},
+    }
     assert find_cycle(graph) == ["disagg.roles", "train", "disagg.roles"]
     assert library_to_entry(graph) == [("disagg.roles", "train")]
     graph["disagg.roles"].clear()  # the fix: roles gets the Trainer as an argument

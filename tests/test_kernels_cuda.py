@@ -4,6 +4,7 @@ document masks too), the real (compiled) Triton cross-entropy and the fused line
 bf16 results are judged against an fp32 computation on the same bf16-rounded inputs: a
 kernel must be about as accurate as the eager bf16 reference (error <= 2x eager's + slack).
 """
+
 import pytest
 import torch
 
@@ -213,7 +214,10 @@ def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
     weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
     _, p, mask = _ce_data(N, V, dtype, seed=4)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    h2, w2 = hidden.float().clone().requires_grad_(), weight.float().clone().requires_grad_()  # fp32 truth (clone: .float() aliases fp32 inputs)
+    h2, w2 = (
+        hidden.float().clone().requires_grad_(),
+        weight.float().clone().requires_grad_(),
+    )  # fp32 truth (clone: .float() aliases fp32 inputs)
     h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()  # eager, same dtype
     loss, argmax = fused_linear_soft_ce(h1, w1, p, mask, chunk_size=chunk)
     loss.backward()

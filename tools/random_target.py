@@ -12,6 +12,7 @@ disaggregated producer's HF target, the consumer's embeddings and lm_head), and 
 (SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
 N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
 """
+
 import dataclasses
 import json
 import shutil
@@ -31,14 +32,18 @@ from models.target import DEFAULT_TARGET, resolve_target  # noqa: E402
 SHARD_BYTES = 4 << 30
 
 
-def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0) -> Path:
+def write_random_target(
+    config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0
+) -> Path:
     """Build the model on `device`, write it to `out` (through a temporary dir renamed into place)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
     if len(tok) > config["vocab_size"]:
-        raise ValueError(f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the preset's vocab_size {config['vocab_size']}")
+        raise ValueError(
+            f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the preset's vocab_size {config['vocab_size']}"
+        )
     if not tok.chat_template:
         raise ValueError(f"tokenizer {tokenizer!r} has no chat template; train.py needs one")
     # aux layer 0 + need_final: every layer is built (which aux layers a run reads is its own choice)
@@ -67,8 +72,14 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
         if size >= SHARD_BYTES:
             flush()
     flush()
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": {"seed": seed, "tokenizer": tokenizer}}
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    cfg = {
+        **config,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "nanospec_random": {"seed": seed, "tokenizer": tokenizer},
+    }
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     tok.save_pretrained(tmp)
     if out.exists():
@@ -79,7 +90,10 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
 
 @dataclasses.dataclass
 class Args:
-    preset: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="PRESET", help=f"one of {', '.join(PRESETS)}, or a config.json path")]
+    preset: Annotated[
+        tyro.conf.Positional[str],
+        tyro.conf.arg(metavar="PRESET", help=f"one of {', '.join(PRESETS)}, or a config.json path"),
+    ]
     out: Annotated[tyro.conf.Positional[Path], tyro.conf.arg(metavar="OUT")]
     """the target directory to write"""
     device: str = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,6 +13,7 @@ result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draf
               "num_accepted_tokens", "accepted_per_pos": [...]}, "vllm_version", "seconds"}
 With "batch": false the prompts run one at a time (per-prompt counters in "per_prompt").
 """
+
 import json
 import os
 import subprocess
@@ -75,10 +76,16 @@ def run_job(job: dict, venv: Path = DEFAULT_VENV, timeout: int = 900, log_path: 
     with tempfile.TemporaryDirectory() as tmp:
         jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
         jp.write_text(json.dumps(job))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.pop("VIRTUAL_ENV", None)
         try:
-            p = subprocess.run([str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(
+                [str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             raise VllmError(f"vLLM did not finish within {timeout}s") from None
         if log_path is not None:
@@ -106,8 +113,7 @@ def spec_counters(llm) -> dict:
 
 def diff(a: dict, b: dict) -> dict:
     return {
-        k: ([x - y for x, y in zip(a[k], b[k] + [0] * len(a[k]))] if isinstance(a[k], list) else a[k] - b[k])
-        for k in a
+        k: ([x - y for x, y in zip(a[k], b[k] + [0] * len(a[k]))] if isinstance(a[k], list) else a[k] - b[k]) for k in a
     }
 
 
@@ -119,13 +125,24 @@ def main(job_path: str, result_path: str):
 
     kw = {}
     if job.get("draft") or job.get("method") == "ngram":  # n-gram lookup needs no draft model
-        kw["speculative_config"] = {"method": job.get("method", "eagle3"), "num_speculative_tokens": int(job["k"]),
-                                    **({"model": job["draft"]} if job.get("draft") else {}), **job.get("speculative_extra", {})}
+        kw["speculative_config"] = {
+            "method": job.get("method", "eagle3"),
+            "num_speculative_tokens": int(job["k"]),
+            **({"model": job["draft"]} if job.get("draft") else {}),
+            **job.get("speculative_extra", {}),
+        }
     llm = LLM(
-        model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=int(job.get("max_model_len", 2048)),
-        enforce_eager=True, disable_log_stats=False, seed=0, **kw,
+        model=job["target"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=int(job.get("max_model_len", 2048)),
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
     )
-    sp = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]), ignore_eos=bool(job.get("ignore_eos", False)))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=int(job["max_tokens"]), ignore_eos=bool(job.get("ignore_eos", False))
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     t0 = time.time()
     start = spec_counters(llm)
