@@ -139,7 +139,8 @@ def features(cfg: FeaturesConfig) -> dict:
         }
         say(
             f"[capture] {res['tokens']} tokens in {secs:.1f} s: {res['tokens_per_s']:.0f} tok/s over {world} "
-            f"rank(s), {res['bytes_per_token']:.0f} bytes/token; store {cfg.out}: {len(store.keys())}/{len(plan)} shards"
+            f"rank(s), {res['bytes_per_token']:.0f} bytes/token; "
+            f"store {cfg.out}: {len(store.keys())}/{len(plan)} shards"
             + ("" if res["complete"] else " (incomplete: rerun the same command to resume)")
         )
         if rank == 0:

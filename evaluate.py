@@ -368,7 +368,8 @@ def main(a: EvalArgs) -> dict:
                 else ""
             )
             print(
-                f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s",
+                f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
+                f"{s['target_forwards']} target forwards, {sec:.0f}s",
                 flush=True,
             )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
@@ -386,7 +387,8 @@ def main(a: EvalArgs) -> dict:
                 result["vllm"][f"chain{k}"] = agree
                 for ds, r in agree.items():
                     print(
-                        f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} ({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}",
+                        f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} "
+                        f"({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}",
                         flush=True,
                     )
     line = json.dumps(result)

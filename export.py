@@ -203,7 +203,8 @@ def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, opti
         raise ExportError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
     if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (c.vocab_size, c.hidden_size):
         raise ExportError(
-            f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, expected {(c.vocab_size, c.hidden_size)}"
+            f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, "
+            f"expected {(c.vocab_size, c.hidden_size)}"
         )
 
 
@@ -301,7 +302,8 @@ def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -
     why = []
     if getattr(c, "target_hidden_size", None) not in (None, tc.get("hidden_size")):
         why.append(
-            f"hidden size: the draft reads {c.target_hidden_size}-wide target features, the target's are {tc.get('hidden_size')}"
+            f"hidden size: the draft reads {c.target_hidden_size}-wide target features, "
+            f"the target's are {tc.get('hidden_size')}"
         )
     if c.vocab_size != tc.get("vocab_size"):
         why.append(f"vocabulary: the draft maps to {c.vocab_size} target tokens, the target has {tc.get('vocab_size')}")
@@ -343,7 +345,8 @@ def export(
     c, tdtype = draft.config, DTYPES[dtype]
     if getattr(c, "moe_experts", 0):
         raise ExportError(
-            f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)"
+            f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 "
+            "loaders expect one dense MLP (evaluate.py measures them from the checkpoint)"
         )
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)

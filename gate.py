@@ -44,7 +44,8 @@ class GateFailure(Exception):
 class GateConfig:
     out: str = "runs/gate"
     strategy: str = "eagle3"
-    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash (README, 'Draft families')"""
+    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash
+    (README, 'Draft families')"""
     train_args: tuple[str, ...] = ()
     """more train.py flags for the overfit run, e.g. --fc-norm --norm-output (EAGLE-3.1)"""
     target: str = "smollm2"
@@ -167,7 +168,8 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
         with open(out / "train.jsonl", "w") as f:
             f.write(json.dumps({"messages": messages}) + "\n")
         log(
-            f"stage 1 sample: record {idx}, prompt {len(prompt)} tokens, {len(ex.input_ids)} in all, {trainable} trainable -> {out / 'sample.json'}"
+            f"stage 1 sample: record {idx}, prompt {len(prompt)} tokens, {len(ex.input_ids)} in all, "
+            f"{trainable} trainable -> {out / 'sample.json'}"
         )
         return sample
     raise GateFailure("sample", f"no valid sample in the first {cfg.scan_records} records of {cfg.data}: {reasons}")
@@ -236,7 +238,8 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         losses = [last[f"loss_{k}"] for k in range(cfg.k)]
         accs = [last[f"acc_{k}"] for k in range(cfg.k)]
         log(
-            f"stage 2 step {step}: loss_k {[round(x, 3) for x in losses]} acc_k {[round(x, 3) for x in accs]} ({time.time() - t0:.0f}s)"
+            f"stage 2 step {step}: loss_k {[round(x, 3) for x in losses]} acc_k {[round(x, 3) for x in accs]} "
+            f"({time.time() - t0:.0f}s)"
         )
         if max(losses) <= cfg.max_loss and min(accs) >= cfg.min_acc:
             break
@@ -244,7 +247,8 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         raise GateFailure(
             "overfit",
             f"thresholds not met after {cfg.max_steps} steps (loss_k <= {cfg.max_loss}, acc_k >= {cfg.min_acc} "
-            f"for k < {cfg.k}); last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
+            f"for k < {cfg.k}); "
+            f"last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
         )
     from export import find_checkpoint
 
@@ -321,7 +325,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     ours, st = speculative_generate(runner, proposer_for(draft, model, depth=cfg.k), prompt, n, sample["eos_ids"])
     ours_tau = st.summary()["tau"]
     log(
-        f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}"
+        f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), "
+        f"per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}"
     )
     if ours != ref:
         raise GateFailure("serve", "PyTorch speculative decoding does not reproduce greedy decoding")
@@ -333,7 +338,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     per_pos = [a / drafts for a in m["accepted_per_pos"]]
     served = res["outputs"][0]
     log(
-        f"stage 3 vLLM {res['vllm_version']}: tau {tau:.3f}, per position {[round(x, 2) for x in per_pos]}, {m['num_drafts']} drafts ({time.time() - t0:.0f}s)"
+        f"stage 3 vLLM {res['vllm_version']}: tau {tau:.3f}, per position {[round(x, 2) for x in per_pos]}, "
+        f"{m['num_drafts']} drafts ({time.time() - t0:.0f}s)"
     )
     report = {
         "vllm_tau": tau,
@@ -348,12 +354,14 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     if tau - 1 < cfg.min_accept * cfg.k:
         raise GateFailure(
             "serve",
-            f"vLLM accepted {tau - 1:.2f} drafts per step < {cfg.min_accept} x K={cfg.k} (tau {tau:.3f}; PyTorch tau {ours_tau:.3f}): the draft does not reproduce the sample it was overfit on",
+            f"vLLM accepted {tau - 1:.2f} drafts per step < {cfg.min_accept} x K={cfg.k} "
+            f"(tau {tau:.3f}; PyTorch tau {ours_tau:.3f}): the draft does not reproduce the sample it was overfit on",
         )
     if abs(tau - ours_tau) > cfg.max_tau_gap * ours_tau:
         raise GateFailure(
             "serve",
-            f"vLLM tau {tau:.3f} disagrees with PyTorch tau {ours_tau:.3f} on the same draft and prompt: a train/serve convention differs",
+            f"vLLM tau {tau:.3f} disagrees with PyTorch tau {ours_tau:.3f} on the same draft and prompt: "
+            "a train/serve convention differs",
         )
     if not report["served_equals_greedy"]:
         i = next((j for j, (a, b) in enumerate(zip(served, ref)) if a != b), min(len(served), len(ref)))
@@ -395,7 +403,8 @@ def main(cfg: GateConfig) -> int:
     (out / "gate.json").write_text(json.dumps(report, indent=1))
     s = report["serve"]
     print(
-        f"GATE PASSED in {report['seconds']:.0f}s: vLLM tau {s['vllm_tau']:.3f} (PyTorch {s['pytorch_tau']:.3f}, K={cfg.k}), served text == target greedy; report {out / 'gate.json'}",
+        f"GATE PASSED in {report['seconds']:.0f}s: vLLM tau {s['vllm_tau']:.3f} "
+        f"(PyTorch {s['pytorch_tau']:.3f}, K={cfg.k}), served text == target greedy; report {out / 'gate.json'}",
         flush=True,
     )
     return 0

@@ -117,9 +117,11 @@ class TrainConfig:
     eval_batch_size: int = 8
     attention: str = "auto"
     """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; FlexAttention, K/V
-    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md); auto = flex on GPU, lse on CPU"""
+    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md);
+    auto = flex on GPU, lse on CPU"""
     loss: str = "auto"
-    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
+    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU
+    (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
     backend: str = "hf"
@@ -236,7 +238,10 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
     target's attention implementation (None for the compiled target or stored features)."""
     if not family.packs:
         packing = ", ".join(n for n, s in FAMILIES.items() if s.packs)
-        return f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
+        return (
+            f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
+            f"(families that pack: {packing})"
+        )
     if cfg.compile:
         return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
     if kind == "cuda" and cfg.attention == "lse":
@@ -353,7 +358,8 @@ class Trainer:
             )
         if cfg.compile and cfg.objective.startswith("lk"):
             raise SystemExit(
-                "--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)"
+                "--compile with the LK objectives is untested "
+                "(their batch-mean acceptance is all-reduced inside the step)"
             )
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
@@ -498,7 +504,8 @@ class Trainer:
             ""
             if t2d is None
             else (
-                f", draft vocab {int(t2d.sum())} covers {counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens"
+                f", draft vocab {int(t2d.sum())} covers "
+                f"{counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens"
             )
         )
         draft.to(self.device)
@@ -825,13 +832,19 @@ class Trainer:
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
                 last = self.latest_checkpoint()
+                when = (
+                    ""
+                    if self.device.type == "cpu"
+                    else " at this step (on GPU the loss is checked at log/eval/checkpoint steps)"
+                )
                 raise FloatingPointError(
-                    f"non-finite loss at step {step}; parameters were not updated"
-                    f"{'' if self.device.type == 'cpu' else ' at this step (on GPU the loss is checked at log/eval/checkpoint steps)'}. "
+                    f"non-finite loss at step {step}; parameters were not updated{when}. "
                     + (
-                        f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)"
+                        f"Last good checkpoint: {last} "
+                        "(continue from it with --resume and a lower --lr, or check the data)"
                         if last
-                        else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the way): "
+                        else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; "
+                        "--ckpt-every N saves along the way): "
                         "lower --lr or check the data, then rerun with --overwrite"
                     )
                 )
@@ -871,7 +884,8 @@ class Trainer:
                 prefetch.close()
                 self.save(step + 1)
                 self.print(
-                    f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume"
+                    f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; "
+                    "continue with --resume"
                 )
                 self.log.finish({"stopped_at": step + 1, "packing": self.packing_summary(speed)})
                 return {"stopped_at": step + 1}

@@ -1,7 +1,8 @@
 """Sequence packing: the conversations of one batch share rows of --max-len tokens.
 
 Real chats are short (the packaged sharegpt-greedy ones average 1,021 tokens with SmolLM2's
-template), so one conversation per row of a 4096-token budget is mostly padding (75%: BENCHMARKS.md). pack() places a batch's conversations into as few rows as
+template), so one conversation per row of a 4096-token budget is mostly padding (75%: BENCHMARKS.md).
+pack() places a batch's conversations into as few rows as
 first-fit decreasing finds (longest first, ties by their order in the batch: a pure function of
 the batch, hence of (seed, step) as GlobalBatches chooses it), and labels every token with its
 document, so that nothing downstream mixes them:

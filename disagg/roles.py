@@ -260,7 +260,8 @@ def consumer_class(Trainer):
                     self.store.delete(key)
                 s = self.ctl.stats()
                 print(
-                    f"[pipeline] done: {len(self.ctl.ledger())} samples in the ledger, max in flight {s['max_inflight']}, "
+                    f"[pipeline] done: {len(self.ctl.ledger())} samples in the ledger, "
+                    f"max in flight {s['max_inflight']}, "
                     f"producers paused {s['pauses']} times",
                     flush=True,
                 )
@@ -322,7 +323,8 @@ def launch(cfg):
                     print(f"[launch] producer p{i} exited ({p.returncode}); its leases return to the pool", flush=True)
                     if all(q.poll() not in (None, 0) for q in producers):  # none left to wait for
                         Controller(root).fail(
-                            f"every producer exited with an error ({[q.returncode for q in producers]}); see their output above"
+                            f"every producer exited with an error ({[q.returncode for q in producers]}); "
+                            "see their output above"
                         )
             time.sleep(0.2)
         if rc != 0:

@@ -222,7 +222,8 @@ def main(args: Args):
             print(f"{r['ttt']:4d} {r['impl']:16s}       OOM")
         else:
             print(
-                f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}"
+                f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} "
+                f"{r['loss_rel_err_vs_first']:.1e}"
             )
 
 

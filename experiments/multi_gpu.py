@@ -903,7 +903,8 @@ class Args:
     warmup: int = 4
     """first steps dropped from the timing (compilation); train.py's LR warm-up is 2 steps"""
     batch_per_gpu: int = 4
-    """sequences per GPU (8B: ~50 GiB per GPU at --max-len 4096, TTT 7); train.py --batch-size is this times the data-parallel ranks"""
+    """sequences per GPU (8B: ~50 GiB per GPU at --max-len 4096, TTT 7); train.py --batch-size is this times the
+    data-parallel ranks"""
     max_len: int = 4096
     ttt_length: int = 7
     qwen_layers: int = 24

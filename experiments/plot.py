@@ -56,8 +56,10 @@ def subtitle(rows: list[dict], others: int) -> str:
     s = json.loads(r["scale"])
     v = json.loads(r["versions"])
     return (
-        f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; {s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
-        f"chain K={s['eval_k']}, {s['num_prompts']} prompts/benchmark, {len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
+        f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; "
+        f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
+        f"chain K={s['eval_k']}, {s['num_prompts']} prompts/benchmark, "
+        f"{len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
         + (f" ({others} rows of other scales not shown)" if others else "")
     )
 
@@ -103,7 +105,8 @@ def plot_ttt(path: Path, figures: Path) -> list[Path]:
         )
         r0 = recs[0]
         title = (
-            f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, draft vocab {r0['vocab']}, "
+            f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, "
+            f"draft vocab {r0['vocab']}, "
             f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}"
         )
     else:

@@ -278,7 +278,8 @@ class Sweep:
         done = done_keys(self.csv)
         todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
         print(
-            f"[{self.study}] {len(todo)} runs to do, {len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}",
+            f"[{self.study}] {len(todo)} runs to do, "
+            f"{len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}",
             flush=True,
         )
         if a.dry_run:
@@ -323,7 +324,8 @@ class Sweep:
                     job["log"].close()
                     if job["proc"].returncode != 0:
                         print(
-                            f"[{self.study}] train {job['setting']} seed {job['seed']} FAILED (exit {job['proc'].returncode}):\n"
+                            f"[{self.study}] train {job['setting']} seed {job['seed']} "
+                            f"FAILED (exit {job['proc'].returncode}):\n"
                             f"{_tail(job['run'] / 'train.log')}",
                             flush=True,
                         )

@@ -387,8 +387,8 @@ class DFlashDraft(nn.Module):
 
 # ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
 class BlockProposer(Proposer):
-    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at the newest
-    committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
+    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at
+    the newest committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
     committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
     precompute) and extends it with the rows the target verified."""
 

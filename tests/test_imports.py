@@ -1,8 +1,8 @@
 """The project's import graph runs one way (issue #19).
 
-Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and `from ... import`
-anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an edge to the project module it names
-(`from x import y` goes to x.y when that is a module, else to x). Two rules:
+Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and
+`from ... import` anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an
+edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Two rules:
 - no cycles;
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
   export.py, evaluate.py, gate.py, experiments/, tools/).

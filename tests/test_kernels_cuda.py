@@ -107,7 +107,10 @@ def test_ttt_attention_flex_document_grads(impl, T, k):
 
     doc = _packed_doc_ids(T)
     g = torch.Generator(device="cuda").manual_seed(2)
-    mk = lambda h: torch.randn(2, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+
+    def mk(h):
+        return torch.randn(2, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+
     q, ks, vs = mk(8), [mk(2) for _ in range(k + 1)], [mk(2) for _ in range(k + 1)]
 
     def flex(q, ks, vs, doc_ids):
@@ -236,7 +239,10 @@ def test_ttt_flex_buffer_unroll_grads(T, n):
     from kernels.ttt_attention import TTTFlexAttention, ttt_attention_flex
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    mk = lambda h: torch.randn(1, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+
+    def mk(h):
+        return torch.randn(1, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+
     qs, ks, vs = [mk(8) for _ in range(n)], [mk(2) for _ in range(n)], [mk(2) for _ in range(n)]
     douts = [torch.randn(1, 8, T, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(n)]
 

@@ -285,7 +285,7 @@ def test_peagle_packed_equals_one_conversation_per_row():
     torch.testing.assert_close(fb[0], b[0], rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------- every family through its strategy (what train.py runs)
+# ------------------------------------------------------------ every family through its strategy (what train.py runs)
 def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
     from models.families import FAMILIES
 
@@ -454,7 +454,8 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
 
 
 def test_throughput_windows(monkeypatch):
-    """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints); MFU = model FLOPs / time / peak."""
+    """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints);
+    MFU = model FLOPs / time / peak."""
     import runlog
 
     clock = [0.0]

@@ -6,7 +6,8 @@ and `main`, which runs inside that venv:
     .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
 
 job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
-           "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method), "speculative_extra": {more speculative_config},
+           "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method),
+           "speculative_extra": {more speculative_config},
            "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
            "max_model_len": 2048, "batch": true}
 result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draft_tokens",
