@@ -89,8 +89,3 @@ def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:
         else:
             out[k] = torch.nn.functional.pad(v, (0, T - v.shape[1]))
     return out
-
-
-def packing_stats(b: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """(real tokens, row tokens) of a batch."""
-    return int(b["attention_mask"].sum()), b["attention_mask"].numel()

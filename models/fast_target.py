@@ -407,32 +407,6 @@ def positions_from_docs(doc_ids_BT: torch.Tensor) -> torch.Tensor:
     return t - torch.where(start, t, 0).cummax(dim=1).values
 
 
-def pack_documents(docs: list[list[int]], row_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Greedy first-fit packing of token lists into rows of row_len: input_ids, doc_ids (-1 =
-    padding) and position_ids [R, row_len], plus where[i] = (row, start) of document i."""
-    rows, fill, where = [], [], []
-    for i, d in enumerate(docs):
-        if len(d) > row_len:
-            raise ValueError(f"document {i} has {len(d)} tokens > row length {row_len}")
-        r = next((j for j, f in enumerate(fill) if f + len(d) <= row_len), None)
-        if r is None:
-            rows.append([]), fill.append(0)
-            r = len(rows) - 1
-        where.append((r, fill[r]))
-        rows[r].append(i)
-        fill[r] += len(d)
-    R = len(rows)
-    ids = torch.full((R, row_len), pad_id, dtype=torch.long)
-    doc = torch.full((R, row_len), -1, dtype=torch.int32)
-    pos = torch.zeros((R, row_len), dtype=torch.long)
-    for i, (r, s) in enumerate(where):
-        n = len(docs[i])
-        ids[r, s : s + n] = torch.tensor(docs[i])
-        doc[r, s : s + n] = i
-        pos[r, s : s + n] = torch.arange(n)
-    return {"input_ids": ids, "doc_ids": doc, "position_ids": pos, "where": torch.tensor(where).view(-1, 2)}
-
-
 class FastTarget(nn.Module):
     """Frozen target, forward only; interface of models/target.Target (forward -> Features,
     embed_tokens, lm_head, config, aux_layers, path)."""

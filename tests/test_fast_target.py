@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents
+from data.chat import Example
+from data.packing import pack
+from models.fast_target import PRESETS, FastTarget, TargetConfig
 from models.layers import rope_inv_freq
 from models.target import Target
 
@@ -109,7 +111,7 @@ def test_packed_rows_match_separate_sequences(kind):
     lengths = [23, 40, 7, 31, 12, 5]
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    packed = pack_documents(docs, row_len=48)
+    packed = pack([Example(d, [1] * len(d)) for d in docs], row_len=48)
     assert packed["input_ids"].shape[0] < len(docs)  # several documents share a row
     f = fast(packed["input_ids"], doc_ids=packed["doc_ids"])
     pos = packed["position_ids"]

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.fast_target import FastTarget, TargetConfig, pack_documents
+from data.chat import Example
+from data.packing import pack
+from models.fast_target import FastTarget, TargetConfig
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol scaled by the reference's largest value, as in test_fast_target
 
@@ -82,7 +84,7 @@ def batches(vocab: int) -> dict:
     mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(0, vocab, (len(lengths), T), generator=g) * mask
     docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (19, 33, 7, 25, 11)]
-    packed = pack_documents(docs, row_len=40)
+    packed = pack([Example(d, [1] * len(d)) for d in docs], row_len=40)
     return {
         "whole": (dict(input_ids=ids[:2]), [(b, 0, T) for b in range(2)]),
         "padded": (dict(input_ids=ids, attention_mask=mask), [(b, 0, n) for b, n in enumerate(lengths)]),
