@@ -18,29 +18,25 @@ regenerate  The target writes new assistant turns: every assistant turn is regen
             skipped), FILE.dropped.jsonl for conversations the target could not continue, and
             FILE.provenance.json (model, settings, source, counts, dates, versions).
 """
+
 import gzip
 import json
 import os
 import socket
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from data.chat import DataError, to_messages
-from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, collate, load_records
+from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
+from distributed import all_sum, barrier, destroy, init_distributed, pick_device
+from features import capture_examples, target_identity
 from models.target import DEFAULT_TARGET, Target, fingerprint, load_tokenizer, resolve_target
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
-    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
-    return kind, DTYPES["bf16" if kind == "cuda" else "fp32"] if dtype == "auto" else DTYPES[dtype]
+from runlog import git_commit, hardware, run_metadata, versions
 
 
 # ====================================================================== features
@@ -69,52 +65,7 @@ class FeaturesConfig:
     device: str = "auto"
 
 
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped longest first into batches of at most batch_tokens padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + [cur] if cur else out
-
-
-@torch.no_grad()
-def capture_examples(target: Target, examples, batch_tokens: int, device) -> dict[str, torch.Tensor]:
-    """Run the target over examples; returns the shard tensors with samples packed along dim 0
-    in the given order: input_ids/loss_mask [N], aux_hidden [N, n_aux*H], final_hidden [N, H]."""
-    lengths = [len(e.input_ids) for e in examples]
-    aux, fin = [None] * len(examples), [None] * len(examples)
-    for batch in length_batches(lengths, batch_tokens):
-        b = collate([examples[i] for i in batch])
-        f = target(b["input_ids"].to(device), b["attention_mask"].to(device))
-        a, h = f.aux_hidden.cpu(), f.final_hidden.cpu()  # one copy per batch
-        for j, i in enumerate(batch):
-            aux[i], fin[i] = a[j, : lengths[i]], h[j, : lengths[i]]
-    return {
-        "input_ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),
-        "aux_hidden": torch.cat(aux),
-        "final_hidden": torch.cat(fin),
-    }
-
-
-def target_identity(target) -> dict:
-    """What makes features comparable: the weights (fingerprint) and the shape, not the path."""
-    c = target.config
-    fp = fingerprint(target.path) if target.path is not None else "unsaved"
-    return {"fingerprint": fp, "model_type": c.model_type, "num_layers": c.num_hidden_layers,
-            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
-
-
 def features(cfg: FeaturesConfig) -> dict:
-    import torch.distributed as dist
-
-    from runlog import run_metadata
-    from train import all_sum, init_distributed
-
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     t_start = time.time()
     rank, world, local = init_distributed(kind)
@@ -125,8 +76,7 @@ def features(cfg: FeaturesConfig) -> dict:
     try:
         if rank == 0:
             resolve_target(cfg.target)  # a GGUF is converted once, by rank 0
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         target_dir = resolve_target(cfg.target)
         tokenizer = load_tokenizer(target_dir)
         stats = Counter()
@@ -135,8 +85,15 @@ def features(cfg: FeaturesConfig) -> dict:
         target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
         H = target.config.hidden_size
         bytes_per_token = (len(target.aux_layers) + 1) * H * dtype.itemsize + 4 + 1
-        data = {"data": cfg.data, "num_records": cfg.num_records, "records": len(records), "max_len": cfg.max_len,
-                "num_examples": len(examples), "tokens_sha": tokens_digest(examples), "stats": dict(stats)}
+        data = {
+            "data": cfg.data,
+            "num_records": cfg.num_records,
+            "records": len(records),
+            "max_len": cfg.max_len,
+            "num_examples": len(examples),
+            "tokens_sha": tokens_digest(examples),
+            "stats": dict(stats),
+        }
         schema = feature_schema(target_identity(target), target.aux_layers, H, dtype, data)
         schema["shard_tokens"] = max(1, cfg.shard_mb * 2**20 // bytes_per_token)
         store = FeatureStore(cfg.out, schema, writer=f"{socket.gethostname()}-rank{rank}")
@@ -144,9 +101,11 @@ def features(cfg: FeaturesConfig) -> dict:
         plan = plan_shards([len(e.input_ids) for e in examples], schema["shard_tokens"])
         mine = plan[rank::world]
         todo = [s for s in mine if s[0] not in store]
-        say(f"[capture] {len(examples)} samples ({sum(len(e.input_ids) for e in examples)} tokens) in "
+        say(
+            f"[capture] {len(examples)} samples ({sum(len(e.input_ids) for e in examples)} tokens) in "
             f"{len(plan)} shards; {world} rank(s); rank 0 has {len(todo)}/{len(mine)} shards to do; "
-            f"{dtype}, target {target_dir}")
+            f"{dtype}, target {target_dir}"
+        )
         t0, tokens, nbytes, done, last = time.time(), 0, 0, 0, 0.0
         stopped = False
         for key, first, count in todo:
@@ -156,20 +115,34 @@ def features(cfg: FeaturesConfig) -> dict:
             ts = time.time()
             part = examples[first : first + count]
             tensors = capture_examples(target, part, cfg.batch_tokens, device)
-            path = store.put(key, tensors, meta={"target_path": str(target_dir)},
-                             samples=[(first + j, len(e.input_ids)) for j, e in enumerate(part)])
+            path = store.put(
+                key,
+                tensors,
+                meta={"target_path": str(target_dir)},
+                samples=[(first + j, len(e.input_ids)) for j, e in enumerate(part)],
+            )
             n = int(tensors["input_ids"].numel())
             tokens, nbytes, done, last = tokens + n, nbytes + path.stat().st_size, done + 1, time.time() - ts
             say(f"[capture] rank 0: shard {done}/{len(todo)} {key}: {n} tokens, {n / last:.0f} tok/s")
         secs = time.time() - t0
         tot = all_sum(torch.tensor([tokens, nbytes, done, int(stopped)], dtype=torch.float64))
         rate = all_sum(torch.tensor([tokens / max(secs, 1e-9)], dtype=torch.float64))
-        res = {"tokens": int(tot[0]), "bytes": int(tot[1]), "shards_written": int(tot[2]),
-               "tokens_per_s": float(rate[0]), "bytes_per_token": float(tot[1] / max(tot[0], 1)),
-               "seconds": secs, "complete": len(store.keys()) == len(plan), "stopped_by_time_limit": bool(tot[3])}
-        say(f"[capture] {res['tokens']} tokens in {secs:.1f} s: {res['tokens_per_s']:.0f} tok/s over {world} "
-            f"rank(s), {res['bytes_per_token']:.0f} bytes/token; store {cfg.out}: {len(store.keys())}/{len(plan)} shards"
-            + ("" if res["complete"] else " (incomplete: rerun the same command to resume)"))
+        res = {
+            "tokens": int(tot[0]),
+            "bytes": int(tot[1]),
+            "shards_written": int(tot[2]),
+            "tokens_per_s": float(rate[0]),
+            "bytes_per_token": float(tot[1] / max(tot[0], 1)),
+            "seconds": secs,
+            "complete": len(store.keys()) == len(plan),
+            "stopped_by_time_limit": bool(tot[3]),
+        }
+        say(
+            f"[capture] {res['tokens']} tokens in {secs:.1f} s: {res['tokens_per_s']:.0f} tok/s over {world} "
+            f"rank(s), {res['bytes_per_token']:.0f} bytes/token; "
+            f"store {cfg.out}: {len(store.keys())}/{len(plan)} shards"
+            + ("" if res["complete"] else " (incomplete: rerun the same command to resume)")
+        )
         if rank == 0:
             meta = run_metadata(cfg, world=world, device=device, extra={"results": res})
             with open(Path(cfg.out) / "capture_runs.jsonl", "a") as f:
@@ -177,8 +150,7 @@ def features(cfg: FeaturesConfig) -> dict:
             print(json.dumps({"capture": res}), flush=True)
         return res
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
 
 
 # ====================================================================== regenerate
@@ -222,8 +194,18 @@ class RegenConfig:
 
 
 # settings that change what is generated: a resumed run must use the same ones
-_SAME_ON_RESUME = ("target_fingerprint", "data", "max_turns", "max_new_tokens", "max_prompt_len",
-                   "temperature", "top_p", "top_k", "seed", "dtype")
+_SAME_ON_RESUME = (
+    "target_fingerprint",
+    "data",
+    "max_turns",
+    "max_new_tokens",
+    "max_prompt_len",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "dtype",
+)
 
 
 def read_chats(source: str, limit: int | None) -> list[dict]:
@@ -290,7 +272,11 @@ def stop_ids(model, tokenizer) -> list[int]:
     if gc is None:
         from transformers import GenerationConfig
 
-        gc = GenerationConfig.from_pretrained(model.path) if (Path(model.path) / "generation_config.json").exists() else GenerationConfig()
+        gc = (
+            GenerationConfig.from_pretrained(model.path)
+            if (Path(model.path) / "generation_config.json").exists()
+            else GenerationConfig()
+        )
     ids = gc.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
@@ -299,7 +285,9 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
-def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, stopper=None) -> list[tuple[list[int], bool]]:
+def generate_batch(
+    model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, stopper=None
+) -> list[tuple[list[int], bool]]:
     """Left-padded batch generation. Returns per prompt (new token ids before the first stop
     token, whether max_new_tokens was hit without a stop token)."""
     from transformers import GenerationConfig, StoppingCriteriaList
@@ -312,11 +300,19 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], cfg: RegenConfig,
     for b, p in enumerate(prompts):
         ids[b, T - len(p) :] = torch.tensor(p)
         mask[b, T - len(p) :] = 1
-    kw = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.temperature > 0 else dict(do_sample=False)
+    kw = (
+        dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+        if cfg.temperature > 0
+        else dict(do_sample=False)
+    )
     gc = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_id=eos, pad_token_id=pad, **kw)
     dev = next(model.parameters()).device
-    out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gc,
-                         stopping_criteria=StoppingCriteriaList([stopper]) if stopper else None)
+    out = model.generate(
+        input_ids=ids.to(dev),
+        attention_mask=mask.to(dev),
+        generation_config=gc,
+        stopping_criteria=StoppingCriteriaList([stopper]) if stopper else None,
+    )
     res = []
     for row in out[:, T:].tolist():
         cut = next((j for j, t in enumerate(row) if t in eos), None)
@@ -358,8 +354,13 @@ def conversation_result(cid: str, slots: list, st: dict) -> tuple[dict | None, d
         return None, {"id": cid, "reason": "no_user_turn", "turn": 0}
     if st["failed"] and st["failed"][1] == 0:
         return None, {"id": cid, "reason": st["failed"][0], "turn": 0}
-    rec = {"id": cid, "messages": st["messages"], "turns": sum(m["role"] == "assistant" for m in st["messages"]),
-           "new_tokens": st["new_tokens"], "hit_max_new_tokens": st["hit_max"]}
+    rec = {
+        "id": cid,
+        "messages": st["messages"],
+        "turns": sum(m["role"] == "assistant" for m in st["messages"]),
+        "new_tokens": st["new_tokens"],
+        "hit_max_new_tokens": st["hit_max"],
+    }
     if st["failed"]:  # kept up to the turn the target could not continue
         rec["cut"], rec["cut_at_turn"] = st["failed"]
     return rec, None
@@ -374,7 +375,11 @@ def regenerate_batch(model, tokenizer, convs: list[tuple[str, list[dict]]], cfg:
     for j in range(max(map(len, slots), default=0)):
         active, prompts = [], []
         for i, st in enumerate(state):
-            if j < len(slots[i]) and not st["failed"] and (p := turn_prompt(tokenizer, st, slots[i][j], j, cfg)) is not None:
+            if (
+                j < len(slots[i])
+                and not st["failed"]
+                and (p := turn_prompt(tokenizer, st, slots[i][j], j, cfg)) is not None
+            ):
                 active.append(i)
                 prompts.append(p)
         if not active:
@@ -463,8 +468,10 @@ def _read_jsonl_repair(path: Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:  # not a crash mid-write: the file was damaged or mixed; keep it as it is
-            raise SystemExit(f"error: {path}:{n}: not a JSON line ({e.msg}); nothing was changed. Fix or remove that line "
-                             f"(or move the file aside to start over) and rerun to resume") from None
+            raise SystemExit(
+                f"error: {path}:{n}: not a JSON line ({e.msg}); nothing was changed. Fix or remove that line "
+                f"(or move the file aside to start over) and rerun to resume"
+            ) from None
     return rows
 
 
@@ -480,20 +487,28 @@ def _append(path: Path, rows: list[dict]):
 def _counts(records: list[dict], dropped: list[dict], source_total: int) -> dict:
     c = Counter(f"dropped_{d['reason']}" for d in dropped)
     c.update(f"cut_{r['cut']}" for r in records if r.get("cut"))
-    return {"source_conversations": source_total, "written": len(records), "dropped": len(dropped),
-            "remaining": source_total - len(records) - len(dropped),
-            "turns": sum(r["turns"] for r in records), "new_tokens": sum(r["new_tokens"] for r in records),
-            "turns_hit_max_new_tokens": sum(r["hit_max_new_tokens"] for r in records), **dict(sorted(c.items()))}
+    return {
+        "source_conversations": source_total,
+        "written": len(records),
+        "dropped": len(dropped),
+        "remaining": source_total - len(records) - len(dropped),
+        "turns": sum(r["turns"] for r in records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "turns_hit_max_new_tokens": sum(r["hit_max_new_tokens"] for r in records),
+        **dict(sorted(c.items())),
+    }
 
 
 def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
-    from models.fast_target import FAMILIES
+    from models.fast_target import FAMILIES  # fast_target imports flex attention and dynamo (seconds): regenerate only
 
     if engine not in ("auto", "slots", "hf"):
         raise SystemExit(f"error: --engine must be auto, slots or hf, got {engine!r}")
     model_type = json.loads((target_dir / "config.json").read_text()).get("model_type")
     if engine == "slots" and model_type not in FAMILIES:
-        raise SystemExit(f"error: --engine slots runs {', '.join(FAMILIES)} targets; this one is {model_type!r} (use --engine hf)")
+        raise SystemExit(
+            f"error: --engine slots runs {', '.join(FAMILIES)} targets; this one is {model_type!r} (use --engine hf)"
+        )
     if engine == "auto":
         return "slots" if device_kind == "cuda" and model_type in FAMILIES else "hf"
     return engine
@@ -501,8 +516,6 @@ def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
 
 def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
-
-    from runlog import git_commit, hardware, versions
 
     t_start = time.time()
     deadline = t_start + cfg.time_limit if cfg.time_limit else None
@@ -515,14 +528,35 @@ def regenerate(cfg: RegenConfig) -> dict:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     dropped_path, prov_path = _sidecars(out)
-    settings = {"target": cfg.target, "target_path": str(target_dir), "target_fingerprint": fingerprint(target_dir),
-                **{k: getattr(cfg, k) for k in ("data", "num_records", "max_turns", "max_new_tokens", "max_prompt_len",
-                                                "temperature", "top_p", "top_k", "seed", "batch_size", "max_output_mb",
-                                                "engine", "slots")},
-                "dtype": str(dtype).removeprefix("torch.")}
+    settings = {
+        "target": cfg.target,
+        "target_path": str(target_dir),
+        "target_fingerprint": fingerprint(target_dir),
+        **{
+            k: getattr(cfg, k)
+            for k in (
+                "data",
+                "num_records",
+                "max_turns",
+                "max_new_tokens",
+                "max_prompt_len",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "batch_size",
+                "max_output_mb",
+                "engine",
+                "slots",
+            )
+        },
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
     if prov is not None:
-        diff = {k: (prov["settings"].get(k), settings[k]) for k in _SAME_ON_RESUME if prov["settings"].get(k) != settings[k]}
+        diff = {
+            k: (prov["settings"].get(k), settings[k]) for k in _SAME_ON_RESUME if prov["settings"].get(k) != settings[k]
+        }
         if diff:
             raise SystemExit(f"error: {out} was generated with other settings {diff} (old, new): use another --out")
     done_records, done_dropped = _read_jsonl_repair(out), _read_jsonl_repair(dropped_path)
@@ -530,28 +564,53 @@ def regenerate(cfg: RegenConfig) -> dict:
     dropped_path.touch()
     done = {r["id"] for r in done_records} | {d["id"] for d in done_dropped}
     pending = [(cid, rec) for cid, rec in zip(ids, records) if cid not in done]
-    print(f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
-          f"target {target_dir} ({dtype}, {kind})", flush=True)
+    print(
+        f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
+        f"target {target_dir} ({dtype}, {kind})",
+        flush=True,
+    )
 
     engine = settings["engine"] = pick_engine(cfg.engine, target_dir, kind)
     if engine == "slots":
-        from models.fast_target import FastTarget
+        from models.fast_target import FastTarget  # (deferred: see pick_engine)
 
         model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
     else:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    print(f"[regen] engine {engine}" + (f", {cfg.slots} slots" if engine == "slots" else f", batches of {cfg.batch_size}"), flush=True)
+    print(
+        f"[regen] engine {engine}"
+        + (f", {cfg.slots} slots" if engine == "slots" else f", batches of {cfg.batch_size}"),
+        flush=True,
+    )
     torch.manual_seed(cfg.seed + len(done))  # a resumed sampling run continues with a fresh stream
     runs = (prov or {}).get("runs", [])
-    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": socket.gethostname(), "hardware": hardware(device),
-           "versions": versions(), "git_commit": git_commit(), "done_before": len(done)}
+    run = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": socket.gethostname(),
+        "hardware": hardware(device),
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "done_before": len(done),
+    }
 
     def write_provenance(status: str):
-        run.update(status=status, seconds=round(time.time() - t_start, 1), updated=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-        doc = {"output": out.name, "dropped": dropped_path.name, "model": {"spec": cfg.target, "path": str(target_dir),
-               "name": getattr(model.config, "_name_or_path", ""), "fingerprint": settings["target_fingerprint"]},
-               "source": {"data": cfg.data, "num_records": cfg.num_records, "conversations": len(records)},
-               "settings": settings, "counts": _counts(done_records, done_dropped, len(records)), "runs": runs + [run]}
+        run.update(
+            status=status, seconds=round(time.time() - t_start, 1), updated=time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        )
+        doc = {
+            "output": out.name,
+            "dropped": dropped_path.name,
+            "model": {
+                "spec": cfg.target,
+                "path": str(target_dir),
+                "name": getattr(model.config, "_name_or_path", ""),
+                "fingerprint": settings["target_fingerprint"],
+            },
+            "source": {"data": cfg.data, "num_records": cfg.num_records, "conversations": len(records)},
+            "settings": settings,
+            "counts": _counts(done_records, done_dropped, len(records)),
+            "runs": runs + [run],
+        }
         tmp = prov_path.with_name(prov_path.name + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
         os.replace(tmp, prov_path)
@@ -579,8 +638,11 @@ def regenerate(cfg: RegenConfig) -> dict:
         c = write_provenance("running")["counts"]
         n_done = c["written"] + c["dropped"] - len(done)
         eta = el / max(n_done, 1) * n_left
-        print(f"[regen] {label}: {c['written']} written, {c['dropped']} dropped, {c['remaining']} remaining; "
-              f"{new_tok} new tokens, {new_tok / el:.0f} tok/s; {el:.0f} s, eta {eta:.0f} s", flush=True)
+        print(
+            f"[regen] {label}: {c['written']} written, {c['dropped']} dropped, {c['remaining']} remaining; "
+            f"{new_tok} new tokens, {new_tok / el:.0f} tok/s; {el:.0f} s, eta {eta:.0f} s",
+            flush=True,
+        )
 
     def over_size() -> bool:
         return bool(cfg.max_output_mb) and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6
@@ -595,10 +657,17 @@ def regenerate(cfg: RegenConfig) -> dict:
         new_tok += sum(r["new_tokens"] for r in recs)
 
     if engine == "slots":
-        from models.generate import Sampling, SlotGenerator
+        from models.generate import Sampling, SlotGenerator  # (deferred: see pick_engine)
 
-        gen = SlotGenerator(model, cfg.slots, cfg.max_prompt_len, cfg.max_new_tokens, stop_ids(model, tokenizer),
-                            Sampling(cfg.temperature, cfg.top_p, cfg.top_k), seed=cfg.seed + len(done))
+        gen = SlotGenerator(
+            model,
+            cfg.slots,
+            cfg.max_prompt_len,
+            cfg.max_new_tokens,
+            stop_ids(model, tokenizer),
+            Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
+            seed=cfg.seed + len(done),
+        )
         last_print = [time.time()]
 
         def emit(recs, drops):

@@ -15,6 +15,7 @@ Datasets (packaged): mtbench (80 questions x 2 turns; the second turn follows th
 first answer), humaneval (164 code prompts), gsm8k (1319 questions); or a JSONL file whose lines
 hold "prompt", "turns" or "messages". Prompts are rendered with the target's chat template.
 """
+
 import gzip
 import hashlib
 import json
@@ -26,7 +27,10 @@ from typing import Annotated
 import torch
 import tyro
 
-from models.speculative import Eagle3Proposer, NgramProposer, Proposer, SpecStats, TargetRunner, proposer_for, speculative_generate
+from models.eagle3 import Eagle3Proposer
+from models.families import FAMILIES
+from models.proposer import Proposer
+from speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
@@ -83,7 +87,9 @@ def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[
         raise AssertionError(f"{name}: output differs from greedy decoding at token {i}")
 
 
-def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=False):
+def run_dataset(
+    target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=False
+):
     """All turns of all conversations through one proposer. Returns (stats, seconds, turns)
     with turns = [(prompt ids, output ids, SpecStats)] (to replay the prompts elsewhere)."""
     st, t0, turns_out = SpecStats(), time.time(), []
@@ -102,10 +108,12 @@ def run_dataset(target: TargetRunner, proposer: Proposer, tokenizer, convs: list
     return st, time.time() - t0, turns_out
 
 
-def run_dataset_batched(target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False):
+def run_dataset_batched(
+    target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False
+):
     """run_dataset for an EAGLE-3 chain proposer, `batch` conversations decoded at once
-    (models/batched_chain.py); turn t of every conversation in a group runs in one batch."""
-    from models.batched_chain import batched_chain_generate
+    (batched_chain.py); turn t of every conversation in a group runs in one batch."""
+    from batched_chain import batched_chain_generate
 
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
@@ -127,8 +135,15 @@ def run_dataset_batched(target: TargetRunner, proposer, tokenizer, convs: list[l
     return st, time.time() - t0, [x for turns in by_conv for x in turns]
 
 
-def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, list[int], list[int], SpecStats]], max_new: int, out_dir: Path,
-                   family: str = "eagle3") -> dict:
+def vllm_agreement(
+    draft_path: str,
+    target_dir,
+    k: int,
+    turns: list[tuple[str, list[int], list[int], SpecStats]],
+    max_new: int,
+    out_dir: Path,
+    family: str = "eagle3",
+) -> dict:
     """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
     vllm:spec_decode_* counters with ours, per dataset."""
     from export import export, find_checkpoint, vllm_method
@@ -136,25 +151,52 @@ def vllm_agreement(draft_path: str, target_dir, k: int, turns: list[tuple[str, l
 
     served = Path(draft_path)
     if not (served / "model.safetensors").exists():
-        served = export(find_checkpoint(draft_path), out_dir / "export-vllm-fp32", engine="vllm", dtype="fp32", target=str(target_dir))
+        served = export(
+            find_checkpoint(draft_path),
+            out_dir / "export-vllm-fp32",
+            engine="vllm",
+            dtype="fp32",
+            target=str(target_dir),
+        )
     method, extra = vllm_method(family)
-    job = {"target": str(target_dir), "draft": str(served), "k": k, "prompts": [p for _, p, _, _ in turns], "max_tokens": max_new, "dtype": "float32",
-           "max_model_len": 4096, "batch": False, "method": method, "speculative_extra": extra}
+    job = {
+        "target": str(target_dir),
+        "draft": str(served),
+        "k": k,
+        "prompts": [p for _, p, _, _ in turns],
+        "max_tokens": max_new,
+        "dtype": "float32",
+        "max_model_len": 4096,
+        "batch": False,
+        "method": method,
+        "speculative_extra": extra,
+    }
     res = run_job(job, timeout=3600, log_path=out_dir / f"vllm_k{k}.log")
     agg: dict[str, dict] = {}
     for (ds, _, ours, st), theirs, m in zip(turns, res["outputs"], res["per_prompt"]):
         a = agg.setdefault(ds, {"ours": SpecStats(), "vllm": SpecStats(), "same_output": 0, "turns": 0})
         a["ours"].add(st)
-        a["vllm"].add(SpecStats(drafts=m["num_drafts"], draft_tokens=m["num_draft_tokens"], accepted=m["num_accepted_tokens"], accepted_per_pos=m["accepted_per_pos"]))
+        a["vllm"].add(
+            SpecStats(
+                drafts=m["num_drafts"],
+                draft_tokens=m["num_draft_tokens"],
+                accepted=m["num_accepted_tokens"],
+                accepted_per_pos=m["accepted_per_pos"],
+            )
+        )
         a["same_output"] += int(ours == theirs)
         a["turns"] += 1
     out = {}
     for ds, a in agg.items():
         o, v = a["ours"].summary(), a["vllm"].summary()
         out[ds] = {
-            "tau_ours": o["tau"], "tau_vllm": v["tau"], "rel_diff": abs(o["tau"] - v["tau"]) / o["tau"],
-            "acceptance_per_pos_ours": o["acceptance_per_pos"], "acceptance_per_pos_vllm": v["acceptance_per_pos"],
-            "identical_outputs": f"{a['same_output']}/{a['turns']}", "vllm_seconds": round(res["seconds"], 1),
+            "tau_ours": o["tau"],
+            "tau_vllm": v["tau"],
+            "rel_diff": abs(o["tau"] - v["tau"]) / o["tau"],
+            "acceptance_per_pos_ours": o["acceptance_per_pos"],
+            "acceptance_per_pos_vllm": v["acceptance_per_pos"],
+            "identical_outputs": f"{a['same_output']}/{a['turns']}",
+            "vllm_seconds": round(res["seconds"], 1),
         }
     return out
 
@@ -187,7 +229,7 @@ class EvalArgs:
     threads: int = 0
     """torch threads (0 = torch's default)"""
     batch: int = 1
-    """EAGLE-3 chains: decode this many conversations at once (models/batched_chain.py; same tokens and
+    """EAGLE-3 chains: decode this many conversations at once (batched_chain.py; same tokens and
     counters per conversation up to float rounding of the batched matmuls); other proposers run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
@@ -206,8 +248,23 @@ def resume_key(a: EvalArgs, draft: torch.nn.Module, target_dir) -> dict:
     for name, t in sorted(draft.state_dict().items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    keep = ("num_prompts", "max_new_tokens", "k", "tree_topk", "tree_depth", "ngram", "check_greedy", "dtype", "device", "batch")
-    return {"draft_sha256": h.hexdigest(), "target": str(target_dir), **{f: list(v) if isinstance(v := getattr(a, f), tuple) else v for f in keep}}
+    keep = (
+        "num_prompts",
+        "max_new_tokens",
+        "k",
+        "tree_topk",
+        "tree_depth",
+        "ngram",
+        "check_greedy",
+        "dtype",
+        "device",
+        "batch",
+    )
+    return {
+        "draft_sha256": h.hexdigest(),
+        "target": str(target_dir),
+        **{f: list(v) if isinstance(v := getattr(a, f), tuple) else v for f in keep},
+    }
 
 
 def load_resumed(path: Path, key: dict) -> dict:
@@ -229,7 +286,7 @@ def main(a: EvalArgs) -> dict:
     from transformers import AutoModelForCausalLM
 
     from data.chat import DataError
-    from export import ExportError, load_draft, target_mismatch
+    from export import ExportError, open_draft, target_mismatch
     from models.target import load_tokenizer, resolve_target
     from runlog import git_commit, hardware, versions
 
@@ -237,7 +294,7 @@ def main(a: EvalArgs) -> dict:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     try:
-        draft, recorded = load_draft(a.draft)
+        draft, recorded = open_draft(a.draft)
     except (ExportError, FileNotFoundError) as e:
         raise SystemExit(f"cannot load the draft: {e}") from None
     try:
@@ -253,7 +310,7 @@ def main(a: EvalArgs) -> dict:
     draft.to(device=a.device, dtype=dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
-    if draft.family == "eagle3":
+    if FAMILIES[draft.family].decode_depth:
         proposers = [proposer_for(draft, model, depth=k) for k in a.k]
         if a.tree_topk:
             proposers.append(proposer_for(draft, model, depth=a.tree_depth, topk=a.tree_topk))
@@ -262,9 +319,18 @@ def main(a: EvalArgs) -> dict:
     if a.ngram:
         proposers.append(NgramProposer(a.k[0]))
     result = {
-        "draft": str(a.draft), "target": str(target_dir), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
-        "dtype": a.dtype, "device": a.device, "batch": a.batch, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(),
-        "versions": versions(), "hardware": hardware(a.device), "results": {},
+        "draft": str(a.draft),
+        "target": str(target_dir),
+        "max_new_tokens": a.max_new_tokens,
+        "num_prompts": a.num_prompts,
+        "dtype": a.dtype,
+        "device": a.device,
+        "batch": a.batch,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "hardware": hardware(a.device),
+        "results": {},
     }
     replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
     if a.resume_file and a.vllm:
@@ -275,13 +341,19 @@ def main(a: EvalArgs) -> dict:
         ds = Path(name).stem if Path(name).suffix else name
         if ds in resumed:
             result["results"][ds] = resumed[ds]
-            print(f"[{ds}] taken from {a.resume_file}: " + ", ".join(f"{n} tau={r['tau']:.3f}" for n, r in resumed[ds].items()), flush=True)
+            print(
+                f"[{ds}] taken from {a.resume_file}: "
+                + ", ".join(f"{n} tau={r['tau']:.3f}" for n, r in resumed[ds].items()),
+                flush=True,
+            )
             continue
         convs = load_prompts(name, a.num_prompts)
         result["results"][ds] = {}
         for p in proposers:
             if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)
-                st, sec, turns = run_dataset_batched(target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy)
+                st, sec, turns = run_dataset_batched(
+                    target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy
+                )
             else:
                 st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
             if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM
@@ -290,8 +362,16 @@ def main(a: EvalArgs) -> dict:
             s["seconds"] = round(sec, 1)
             result["results"][ds][p.name] = s
             acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
-            extra = f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})" if isinstance(p, NgramProposer) else ""
-            print(f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, {s['target_forwards']} target forwards, {sec:.0f}s", flush=True)
+            extra = (
+                f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})"
+                if isinstance(p, NgramProposer)
+                else ""
+            )
+            print(
+                f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
+                f"{s['target_forwards']} target forwards, {sec:.0f}s",
+                flush=True,
+            )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
         if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
             tmp = Path(a.resume_file + ".tmp")
@@ -306,7 +386,11 @@ def main(a: EvalArgs) -> dict:
                 agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
                 result["vllm"][f"chain{k}"] = agree
                 for ds, r in agree.items():
-                    print(f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} ({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}", flush=True)
+                    print(
+                        f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} "
+                        f"({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}",
+                        flush=True,
+                    )
     line = json.dumps(result)
     print(line)
     if a.out:

@@ -61,6 +61,7 @@ This file alone knows the engines' conventions. Aux layer ids, checked in the en
   vLLM's loader skips t2d, renames d2t to draft_id_to_target_id and leaves that table at zero
   (silently wrong drafts) when d2t is missing: hence the loud checks here.
 """
+
 import hashlib
 import json
 import shutil
@@ -73,9 +74,9 @@ import torch
 import tyro
 
 from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.peagle import PEagleConfig, PEagleDraft
-from strategies import STRATEGIES
-from strategies import load_draft as load_strategy_draft
+from models.families import FAMILIES, family_of
+from models.families import load_draft as load_family_draft
+from models.peagle import PEagleConfig
 
 ENGINES = ("vllm", "sglang")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -111,10 +112,22 @@ def read_tensors(f: Path) -> dict[str, torch.Tensor]:
         return load_file(f)
     except Exception as e:  # SafetensorError (bad header, short buffer), OSError, ...
         why = str(e).splitlines()[0][:200] if str(e) else ""
-        others = sorted((d.name for d in f.parent.parent.glob("step_*") if d != f.parent and (d / f.name).exists() and d.name[5:].isdigit()),
-                        key=lambda n: -int(n[5:]))
-        hint = f"; other checkpoints beside it: {', '.join(others)} (pass one's directory)" if others and f.parent.name.startswith("step_") else ""
-        raise ExportError(f"{f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''}){hint}") from None
+        others = sorted(
+            (
+                d.name
+                for d in f.parent.parent.glob("step_*")
+                if d != f.parent and (d / f.name).exists() and d.name[5:].isdigit()
+            ),
+            key=lambda n: -int(n[5:]),
+        )
+        hint = (
+            f"; other checkpoints beside it: {', '.join(others)} (pass one's directory)"
+            if others and f.parent.name.startswith("step_")
+            else ""
+        )
+        raise ExportError(
+            f"{f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''}){hint}"
+        ) from None
 
 
 def read_json(f: Path) -> dict:
@@ -189,14 +202,19 @@ def check_tensors(sd: dict[str, torch.Tensor], c: Eagle3Config, where: str, opti
     if int(sd["t2d"].sum()) != c.draft_vocab_size or not bool(sd["t2d"][ids].all()):
         raise ExportError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
     if "embed_tokens.weight" in sd and tuple(sd["embed_tokens.weight"].shape) != (c.vocab_size, c.hidden_size):
-        raise ExportError(f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, expected {(c.vocab_size, c.hidden_size)}")
+        raise ExportError(
+            f"{where}: embed_tokens.weight has shape {tuple(sd['embed_tokens.weight'].shape)}, "
+            f"expected {(c.vocab_size, c.hidden_size)}"
+        )
 
 
 def _draft_from(sd: dict, c: Eagle3Config, where: str) -> Eagle3Draft:
     if not c.moe_experts:  # MoE drafts (research only) are not in the serving format; strict load below checks them
         check_tensors(sd, c, where)
-    draft = PEagleDraft(c) if isinstance(c, PEagleConfig) else Eagle3Draft(c)
-    draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True)
+    draft = next(f.draft_cls for f in FAMILIES.values() if type(c) is f.config_cls)(c)  # Eagle3Draft or PEagleDraft
+    draft.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in sd.items() if k != "embed_tokens.weight"}, strict=True
+    )
     return draft.eval()
 
 
@@ -207,20 +225,21 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, dict]:
     if not meta_path.exists():
         raise ExportError(f"{d}: config.json is missing")
     meta = read_json(meta_path)
-    if meta.get("strategy") not in STRATEGIES:
-        raise ExportError(f"{d}: unknown strategy {meta.get('strategy')!r} (known: {', '.join(STRATEGIES)})")
-    if meta["strategy"] != "eagle3":
-        meta["checkpoint"] = str(d)
-        try:
-            return load_strategy_draft(meta, read_tensors(d / "draft.safetensors")), meta
-        except (KeyError, TypeError, RuntimeError) as e:
-            raise ExportError(f"{d}: cannot load the {meta['strategy']} draft: {e}") from None
     try:
-        c = Eagle3Config(**meta["draft"])
-    except (KeyError, TypeError) as e:
-        raise ExportError(f"{meta_path}: bad draft config: {e}") from None
+        f = family_of(meta.get("strategy"))
+    except ValueError as e:
+        raise ExportError(f"{d}: {e}") from None
     meta["checkpoint"] = str(d)
-    return _draft_from(read_tensors(d / "draft.safetensors"), c, str(d / "draft.safetensors")), meta
+    if f.serving and f.serving.layout == "eagle3":  # the serving format's loud tensor checks first
+        try:
+            c = f.config_cls(**meta["draft"])
+        except (KeyError, TypeError) as e:
+            raise ExportError(f"{meta_path}: bad draft config: {e}") from None
+        return _draft_from(read_tensors(d / "draft.safetensors"), c, str(d / "draft.safetensors")), meta
+    try:
+        return load_family_draft(meta, read_tensors(d / "draft.safetensors")), meta
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ExportError(f"{d}: cannot load the {meta['strategy']} draft: {e}") from None
 
 
 # ---- serving dirs ----
@@ -247,7 +266,10 @@ def serving_config(c: Eagle3Config, target_config: dict, engine: str, dtype: tor
         "mlp_bias": False,
         # the midlayer's residual is the un-normed hidden state (vLLM/SGLang default)
         "norm_before_residual": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": engine_aux_ids(c.aux_layers, engine),
+            "use_aux_hidden_state": True,
+        },
         # EAGLE-3.1 (vLLM llama_eagle3.py: `fc_norm` = one RMSNorm per aux chunk before fc, weights
         # fc_norm.{i}.weight; `norm_output` = the hidden state handed to the next draft step is the
         # normed output)
@@ -279,7 +301,10 @@ def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -
     tc = tc.get("text_config", tc)
     why = []
     if getattr(c, "target_hidden_size", None) not in (None, tc.get("hidden_size")):
-        why.append(f"hidden size: the draft reads {c.target_hidden_size}-wide target features, the target's are {tc.get('hidden_size')}")
+        why.append(
+            f"hidden size: the draft reads {c.target_hidden_size}-wide target features, "
+            f"the target's are {tc.get('hidden_size')}"
+        )
     if c.vocab_size != tc.get("vocab_size"):
         why.append(f"vocabulary: the draft maps to {c.vocab_size} target tokens, the target has {tc.get('vocab_size')}")
     L = tc.get("num_hidden_layers")
@@ -287,7 +312,9 @@ def target_mismatch(c, tc: dict, tokenizer=None, recorded: dict | None = None) -
         why.append(f"aux layers: the draft reads layers {list(c.aux_layers)}, the target has {L} (0..{L - 1})")
     want = (recorded or {}).get("tokenizer")
     if tokenizer is not None and want and tokenizer_digest(tokenizer) != want:
-        why.append(f"tokenizer: the draft was exported for tokenizer {want}, this target's is {tokenizer_digest(tokenizer)}")
+        why.append(
+            f"tokenizer: the draft was exported for tokenizer {want}, this target's is {tokenizer_digest(tokenizer)}"
+        )
     return why
 
 
@@ -300,7 +327,14 @@ def _target_config(target_dir: str | Path | None, c: Eagle3Config) -> dict:
     return {}
 
 
-def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str = "bf16", with_embeddings: bool = False, target: str | None = None) -> Path:
+def export(
+    ckpt: str | Path,
+    out: str | Path,
+    engine: str = "vllm",
+    dtype: str = "bf16",
+    with_embeddings: bool = False,
+    target: str | None = None,
+) -> Path:
     """Write the serving dir; returns it. The write goes through a temporary dir renamed into
     place, so a failed export never leaves a dir that looks complete."""
     if engine not in ENGINES:
@@ -310,13 +344,27 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
     draft, meta = load_checkpoint(ckpt)
     c, tdtype = draft.config, DTYPES[dtype]
     if getattr(c, "moe_experts", 0):
-        raise ExportError(f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 loaders expect one dense MLP (evaluate.py measures them from the checkpoint)")
+        raise ExportError(
+            f"{ckpt}: MoE drafts (--moe-experts {c.moe_experts}) cannot be served: vLLM's and SGLang's EAGLE-3 "
+            "loaders expect one dense MLP (evaluate.py measures them from the checkpoint)"
+        )
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)
-    family = STRATEGIES[meta["strategy"]].serving
-    if family is None:
-        raise ExportError(f"strategy {meta['strategy']!r}: no serving engine here loads it (README, 'Draft families')")
-    prov = {"engine": engine, "aux_layer_outputs": list(c.aux_layers), "target": str(target_dir) if target_dir else None, "checkpoint": meta["checkpoint"]}
+    family, serving = meta["strategy"], FAMILIES[meta["strategy"]].serving
+    if serving is None:
+        raise ExportError(f"strategy {family!r}: no serving engine here loads it (README, 'Draft families')")
+    if engine not in serving.engines:
+        names = {"vllm": "vLLM", "sglang": "SGLang"}
+        raise ExportError(
+            f"{family}: only the {' and '.join(names[e] for e in serving.engines)} format is written"
+            + (" (SGLang has no EAGLE-3 parallel drafting here)" if serving.vllm_extra.get("parallel_drafting") else "")
+        )
+    prov = {
+        "engine": engine,
+        "aux_layer_outputs": list(c.aux_layers),
+        "target": str(target_dir) if target_dir else None,
+        "checkpoint": meta["checkpoint"],
+    }
     if tc:  # the tokenizer the draft was trained with, so a target with another one is refused at load
         from data.chat import DataError
         from models.target import load_tokenizer
@@ -325,10 +373,10 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
             prov["tokenizer"] = tokenizer_digest(load_tokenizer(Path(target_dir)))
         except DataError:  # a target dir without tokenizer files (tests' random targets): nothing to record
             pass
-    if family in BLOCK_FAMILIES:
-        if engine != "vllm" or with_embeddings:
-            raise ExportError(f"{family}: only the vLLM format is written (no embeddings: vLLM shares the target's)")
-        cfg, sd = block_serving(draft, family, tc, tdtype)
+    if serving.layout == "block":
+        if with_embeddings:
+            raise ExportError(f"{family}: no embeddings are written (vLLM shares the target's)")
+        cfg, sd = block_serving(draft, serving.architecture, tc, tdtype)
         return _write(out, cfg, sd, {**prov, "strategy": meta["strategy"]})
     sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     if with_embeddings:
@@ -337,9 +385,7 @@ def export(ckpt: str | Path, out: str | Path, engine: str = "vllm", dtype: str =
         sd["embed_tokens.weight"] = _target_embeddings(target_dir).to(tdtype).contiguous()
     check_tensors(sd, c, "export")
     cfg = serving_config(c, tc, engine, tdtype)
-    if family == "peagle":
-        if engine != "vllm":
-            raise ExportError("peagle: only the vLLM format is written (SGLang has no EAGLE-3 parallel drafting here)")
+    if serving.vllm_extra.get("parallel_drafting"):
         # vLLM (llm_base_proposer.py) feeds mask slots the token config.mask_token_id and the hidden
         # state fc(mask_hidden) when speculative_config has parallel_drafting=True
         cfg["mask_token_id"] = c.mask_token_id
@@ -365,73 +411,122 @@ def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
 
 def vllm_method(family: str) -> tuple[str, dict]:
     """vLLM's speculative_config method (+ extra settings) that serves a draft family."""
-    methods = {"eagle3": ("eagle3", {}), "peagle": ("eagle3", {"parallel_drafting": True}), "dflash": ("dflash", {}), "dspark": ("dspark", {})}
-    if family not in methods:
+    serving = FAMILIES[family].serving if family in FAMILIES else None
+    if serving is None or "vllm" not in serving.engines:
         raise ExportError(f"vLLM has no loader for {family!r} drafts")
-    return methods[family]
+    return serving.vllm_method, dict(serving.vllm_extra)
 
 
 # ---- block drafters (DFlash family) ----
-BLOCK_FAMILIES = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}  # family -> vLLM architecture
+# vLLM architecture -> family, for the families written in the block layout
+BLOCK_FAMILIES = {
+    f.serving.architecture: name for name, f in FAMILIES.items() if f.serving and f.serving.layout == "block"
+}
 
 
-def block_serving(draft, family: str, target_config: dict, dtype: torch.dtype) -> tuple[dict, dict]:
+def block_serving(draft, architecture: str, target_config: dict, dtype: torch.dtype) -> tuple[dict, dict]:
     """(config.json, tensors) of a DFlash / DSpark serving dir for vLLM."""
-    c = draft.config
+    c, family = draft.config, draft.family
     sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     cfg = {
-        "architectures": [BLOCK_FAMILIES[family]],
+        "architectures": [architecture],
         "model_type": "qwen3",
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-        "hidden_act": c.hidden_act, "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size, "target_hidden_size": c.target_hidden_size,
-        "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "use_sliding_window": False,
         "block_size": c.block_size,
         # target_layer_ids: our layer-output indices (vLLM adds 1, see the module doc); causal: the
         # block attends to itself both ways (qwen3_dflash.py _dflash_layer_causal)
-        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True, "causal": False},
-        "torch_dtype": HF_DTYPE_NAMES[dtype], "dtype": HF_DTYPE_NAMES[dtype],
+        "dflash_config": {
+            "mask_token_id": c.mask_token_id,
+            "target_layer_ids": list(c.aux_layers),
+            "use_aux_hidden_state": True,
+            "causal": False,
+        },
+        "torch_dtype": HF_DTYPE_NAMES[dtype],
+        "dtype": HF_DTYPE_NAMES[dtype],
     }
-    if family == "dspark":
+    if architecture == "Qwen3DSparkModel":
         # qwen3_dspark.py: markov_head.markov_w{1,2} [V, r], confidence_head.proj [1, H (+ r)] + bias
         # (loaded only with enable_confidence_head); DSparkSpeculator: sample_from_anchor = blocks
         # of K slots whose anchor predicts (vLLM then takes K = num_speculative_tokens = block_size)
-        cfg.update(markov_rank=c.markov_rank, draft_vocab_size=c.vocab_size, enable_confidence_head=True,
-                   confidence_head_with_markov=c.confidence_with_markov, sample_from_anchor=True)
+        cfg.update(
+            markov_rank=c.markov_rank,
+            draft_vocab_size=c.vocab_size,
+            enable_confidence_head=True,
+            confidence_head_with_markov=c.confidence_with_markov,
+            sample_from_anchor=True,
+        )
     rope = {k: target_config[k] for k in ROPE_FIELDS if target_config.get(k) is not None}
     cfg.update(rope or {"rope_parameters": c.rope_parameters})
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if k in target_config:
             cfg[k] = target_config[k]
-    with torch.device("meta"):  # shapes only: no second copy of the weights
-        want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
+    # a fresh draft of the config, on the CPU: under torch.device("meta") transformers' llama3 rope
+    # init fails (it copies inv_freq to the CPU), so Llama-3.1 targets could not be exported
+    want = {k: tuple(v.shape) for k, v in type(draft)(c).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in sd.items()}
     if want != got or not all(torch.isfinite(v).all() for v in sd.values() if v.is_floating_point()):
-        raise ExportError(f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "
-                          f"unexpected {sorted(set(got) - set(want))}) or are not finite")
+        raise ExportError(
+            f"{family}: tensors differ from the draft config's (missing {sorted(set(want) - set(got))}, "
+            f"unexpected {sorted(set(got) - set(want))}) or are not finite"
+        )
     return cfg, sd
 
 
 def block_config_from_serving(cfg: dict):
     """A DFlash / DSpark serving config.json -> (strategy name, its draft config)."""
-    family = next((f for f, arch in BLOCK_FAMILIES.items() if cfg.get("architectures") == [arch]), None)
+    arch = (cfg.get("architectures") or [None])[0]
+    family = BLOCK_FAMILIES.get(arch) if len(cfg.get("architectures") or []) == 1 else None
     if family is None:
         raise ExportError(f"architectures {cfg.get('architectures')} is not a DFlash or DSpark draft")
     d = cfg.get("dflash_config", {})
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+    rope = cfg.get("rope_parameters") or {
+        "rope_type": "default",
+        "rope_theta": cfg["rope_theta"],
+        **(cfg.get("rope_scaling") or {}),
+    }
     kw = dict(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"], num_attention_heads=cfg["num_attention_heads"],
-        num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
-        rope_parameters=dict(rope), max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-        target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), aux_layers=list(d["target_layer_ids"]),
-        num_layers=cfg["num_hidden_layers"], block_size=cfg["block_size"], mask_token_id=d["mask_token_id"], hidden_act=cfg.get("hidden_act", "silu"),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_parameters=dict(rope),
+        max_position_embeddings=cfg["max_position_embeddings"],
+        vocab_size=cfg["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+        aux_layers=list(d["target_layer_ids"]),
+        num_layers=cfg["num_hidden_layers"],
+        block_size=cfg["block_size"],
+        mask_token_id=d["mask_token_id"],
+        hidden_act=cfg.get("hidden_act", "silu"),
     )
-    if family == "dspark":
-        if not cfg.get("sample_from_anchor", True) or cfg.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"] or not cfg.get("enable_confidence_head"):
-            raise ExportError("dspark: only anchor-sampling, full-vocabulary drafts with a confidence head are read here")
-        kw.update(markov_rank=cfg["markov_rank"], confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False)))
-    return family, STRATEGIES[family].config_cls(**kw)
+    if arch == "Qwen3DSparkModel":
+        if (
+            not cfg.get("sample_from_anchor", True)
+            or cfg.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"]
+            or not cfg.get("enable_confidence_head")
+        ):
+            raise ExportError(
+                "dspark: only anchor-sampling, full-vocabulary drafts with a confidence head are read here"
+            )
+        kw.update(
+            markov_rank=cfg["markov_rank"], confidence_with_markov=bool(cfg.get("confidence_head_with_markov", False))
+        )
+    return family, FAMILIES[family].config_cls(**kw)
 
 
 def _target_embeddings(target_dir) -> torch.Tensor:
@@ -441,7 +536,11 @@ def _target_embeddings(target_dir) -> torch.Tensor:
         raise ExportError("--with-embeddings needs the target dir (the checkpoint names none; pass --target)")
     for f in sorted(Path(target_dir).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            for name in ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+            for name in (
+                "model.embed_tokens.weight",
+                "embed_tokens.weight",
+                "model.language_model.embed_tokens.weight",
+            ):
                 if name in st.keys():
                     return st.get_tensor(name)
     raise ExportError(f"no embed_tokens weight found in {target_dir}/*.safetensors")
@@ -456,21 +555,34 @@ def config_from_serving(cfg: dict, engine: str | None = None) -> Eagle3Config:
         raise ExportError("serving config names no engine: pass engine='vllm' or 'sglang' to read its aux layer ids")
     try:
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-        rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
+        rope = cfg.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": cfg["rope_theta"],
+            **(cfg.get("rope_scaling") or {}),
+        }
         c = Eagle3Config(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            rms_norm_eps=cfg["rms_norm_eps"], rope_parameters=dict(rope),
-            max_position_embeddings=cfg["max_position_embeddings"], vocab_size=cfg["vocab_size"],
-            draft_vocab_size=cfg["draft_vocab_size"], target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
-            aux_layers=aux_layers_from_engine(ids, engine), hidden_act=cfg.get("hidden_act", "silu"),
-            fc_norm=bool(cfg.get("fc_norm", False)), norm_output=bool(cfg.get("norm_output", False)),
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_parameters=dict(rope),
+            max_position_embeddings=cfg["max_position_embeddings"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg["draft_vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            aux_layers=aux_layers_from_engine(ids, engine),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            fc_norm=bool(cfg.get("fc_norm", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
         )
     except KeyError as e:
         raise ExportError(f"serving config lacks field {e}") from None
     if prov.get("aux_layer_outputs") is not None and prov["aux_layer_outputs"] != c.aux_layers:
-        raise ExportError(f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}")
+        raise ExportError(
+            f"aux ids {ids} ({engine}) disagree with the recorded layer outputs {prov['aux_layer_outputs']}"
+        )
     if "mask_token_id" in cfg:  # P-EAGLE (parallel drafting)
         from dataclasses import asdict
 
@@ -484,9 +596,9 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
     if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
         raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
     cfg = read_json(p / "config.json")
-    if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES.values()]:
+    if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES]:
         family, c = block_config_from_serving(cfg)
-        draft = STRATEGIES[family].draft_cls(c)
+        draft = FAMILIES[family].draft_cls(c)
         try:
             draft.load_state_dict({k: v.float() for k, v in read_tensors(p / "model.safetensors").items()}, strict=True)
         except RuntimeError as e:
@@ -494,10 +606,12 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
         return draft.eval(), cfg
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
         raise ExportError(f"{p}: architectures {cfg.get('architectures')} is not an EAGLE-3 draft")
-    return _draft_from(read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")), cfg
+    return _draft_from(
+        read_tensors(p / "model.safetensors"), config_from_serving(cfg, engine), str(p / "model.safetensors")
+    ), cfg
 
 
-def load_draft(path: str | Path) -> tuple[Eagle3Draft, dict]:
+def open_draft(path: str | Path) -> tuple[torch.nn.Module, dict]:
     """Any draft dir (training checkpoint, run dir or serving dir) -> (fp32 draft, what was
     recorded with it: "target" dir (or None), and for exports "tokenizer", see target_mismatch)."""
     p = Path(path)

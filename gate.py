@@ -21,6 +21,7 @@ a serving dir (e.g. the shipped drafts/smollm2-135m-eagle3): it is served as it 
 it fits the target (hidden size, vocabulary, aux layers, tokenizer); without --sample, stage 1 picks
 the prompt. A draft not overfit on that prompt needs a --min-accept of its own (e.g. 0.3).
 """
+
 import json
 import subprocess
 import sys
@@ -43,7 +44,8 @@ class GateFailure(Exception):
 class GateConfig:
     out: str = "runs/gate"
     strategy: str = "eagle3"
-    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash (README, 'Draft families')"""
+    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash
+    (README, 'Draft families')"""
     train_args: tuple[str, ...] = ()
     """more train.py flags for the overfit run, e.g. --fc-norm --norm-output (EAGLE-3.1)"""
     target: str = "smollm2"
@@ -100,8 +102,9 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
     from data.chat import DataError, check_template, to_messages, tokenize_chat
     from data.datasets import load_records
     from evaluate import eos_ids, render
-    from models.speculative import Proposer, TargetRunner, speculative_generate
+    from models.proposer import Proposer
     from models.target import load_tokenizer, resolve_target
+    from speculative import TargetRunner, speculative_generate
 
     target_dir = resolve_target(cfg.target)
     tok = load_tokenizer(target_dir)
@@ -164,7 +167,10 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
         (out / "sample.json").write_text(json.dumps(sample, indent=1))
         with open(out / "train.jsonl", "w") as f:
             f.write(json.dumps({"messages": messages}) + "\n")
-        log(f"stage 1 sample: record {idx}, prompt {len(prompt)} tokens, {len(ex.input_ids)} in all, {trainable} trainable -> {out / 'sample.json'}")
+        log(
+            f"stage 1 sample: record {idx}, prompt {len(prompt)} tokens, {len(ex.input_ids)} in all, "
+            f"{trainable} trainable -> {out / 'sample.json'}"
+        )
         return sample
     raise GateFailure("sample", f"no valid sample in the first {cfg.scan_records} records of {cfg.data}: {reasons}")
 
@@ -174,11 +180,42 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
     run = out / "train"
     ttt = max(cfg.k, 1)
     base = [
-        sys.executable, str(ROOT / "train.py"), "--target", sample["target"], "--data", str(out / "train.jsonl"),
-        "--num-records", "1", "--holdout", "0", "--max-len", str(cfg.max_len), "--batch-size", "1",
-        "--draft-vocab-size", str(cfg.draft_vocab_size), "--ttt-length", str(ttt), "--steps", str(cfg.max_steps),
-        "--stop-after", str(cfg.chunk), "--lr", str(cfg.lr), "--warmup", "5", "--out", str(run), "--no-progress", "--device", "cpu",
-        "--strategy", cfg.strategy, "--num-anchors", "1024", *cfg.train_args,  # block drafters: a block at every anchor
+        sys.executable,
+        str(ROOT / "train.py"),
+        "--target",
+        sample["target"],
+        "--data",
+        str(out / "train.jsonl"),
+        "--num-records",
+        "1",
+        "--holdout",
+        "0",
+        "--max-len",
+        str(cfg.max_len),
+        "--batch-size",
+        "1",
+        "--draft-vocab-size",
+        str(cfg.draft_vocab_size),
+        "--ttt-length",
+        str(ttt),
+        "--steps",
+        str(cfg.max_steps),
+        "--stop-after",
+        str(cfg.chunk),
+        "--lr",
+        str(cfg.lr),
+        "--warmup",
+        "5",
+        "--out",
+        str(run),
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--strategy",
+        cfg.strategy,
+        "--num-anchors",
+        "1024",
+        *cfg.train_args,  # block drafters: a block at every anchor
     ]
     if run.exists():
         import shutil
@@ -200,33 +237,57 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         step = last["step"]
         losses = [last[f"loss_{k}"] for k in range(cfg.k)]
         accs = [last[f"acc_{k}"] for k in range(cfg.k)]
-        log(f"stage 2 step {step}: loss_k {[round(x, 3) for x in losses]} acc_k {[round(x, 3) for x in accs]} ({time.time() - t0:.0f}s)")
+        log(
+            f"stage 2 step {step}: loss_k {[round(x, 3) for x in losses]} acc_k {[round(x, 3) for x in accs]} "
+            f"({time.time() - t0:.0f}s)"
+        )
         if max(losses) <= cfg.max_loss and min(accs) >= cfg.min_acc:
             break
     else:
         raise GateFailure(
-            "overfit", f"thresholds not met after {cfg.max_steps} steps (loss_k <= {cfg.max_loss}, acc_k >= {cfg.min_acc} "
-            f"for k < {cfg.k}); last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
+            "overfit",
+            f"thresholds not met after {cfg.max_steps} steps (loss_k <= {cfg.max_loss}, acc_k >= {cfg.min_acc} "
+            f"for k < {cfg.k}); "
+            f"last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
         )
     from export import find_checkpoint
 
     ckpt = find_checkpoint(run)
-    return ckpt, {"steps": step, "seconds": round(time.time() - t0, 1), "final": {k: v for k, v in last.items() if k[:4] in ("loss", "acc_")}}
+    return ckpt, {
+        "steps": step,
+        "seconds": round(time.time() - t0, 1),
+        "final": {k: v for k, v in last.items() if k[:4] in ("loss", "acc_")},
+    }
 
 
 # ---------------------------------------------------------------- stage 3
 def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
     from tools.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv, run_job
 
-    venv = DEFAULT_VENV if not cfg.vllm_venv else Path(cfg.vllm_venv) if Path(cfg.vllm_venv).is_absolute() else ROOT / cfg.vllm_venv
+    venv = (
+        DEFAULT_VENV
+        if not cfg.vllm_venv
+        else Path(cfg.vllm_venv)
+        if Path(cfg.vllm_venv).is_absolute()
+        else ROOT / cfg.vllm_venv
+    )
     from export import ExportError, vllm_method
 
     try:
         method, extra = vllm_method(cfg.strategy)
     except ExportError as e:
         raise GateFailure("serve", str(e)) from None
-    job = {"target": target, "draft": str(draft), "k": cfg.k, "prompts": [prompt], "max_tokens": max_tokens, "dtype": "float32", "max_model_len": 1024,
-           "method": method, "speculative_extra": extra}
+    job = {
+        "target": target,
+        "draft": str(draft),
+        "k": cfg.k,
+        "prompts": [prompt],
+        "max_tokens": max_tokens,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "method": method,
+        "speculative_extra": extra,
+    }
     try:
         ensure_venv(venv, log)
         return run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
@@ -239,8 +300,9 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from export import ExportError, export, load_exported, target_mismatch
+    from models.proposer import Proposer
     from models.target import load_tokenizer
-    from models.speculative import Proposer, TargetRunner, proposer_for, speculative_generate
+    from speculative import TargetRunner, proposer_for, speculative_generate
 
     shipped = (ckpt / "model.safetensors").exists()  # a serving dir: served as it is
     serving = ckpt if shipped else out / "export-vllm"
@@ -251,7 +313,9 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     except (ExportError, FileNotFoundError) as e:
         raise GateFailure("export", str(e)) from None
     target_cfg = json.loads((Path(sample["target"]) / "config.json").read_text())
-    if why := target_mismatch(draft.config, target_cfg, load_tokenizer(Path(sample["target"])), served_cfg.get("nanospec_export")):
+    if why := target_mismatch(
+        draft.config, target_cfg, load_tokenizer(Path(sample["target"])), served_cfg.get("nanospec_export")
+    ):
         raise GateFailure("export", f"{serving} does not fit target {sample['target']}: {'; '.join(why)}")
     log(f"stage 3 {'serving' if shipped else 'exported'} {ckpt}" + ("" if shipped else f" -> {serving}"))
     model = AutoModelForCausalLM.from_pretrained(sample["target"], dtype=torch.float32).eval()
@@ -260,7 +324,10 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     ref, _ = speculative_generate(runner, Proposer(), prompt, n, sample["eos_ids"])
     ours, st = speculative_generate(runner, proposer_for(draft, model, depth=cfg.k), prompt, n, sample["eos_ids"])
     ours_tau = st.summary()["tau"]
-    log(f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}")
+    log(
+        f"stage 3 PyTorch: tau {ours_tau:.3f} (K={cfg.k}), "
+        f"per position {[round(x, 2) for x in st.summary()['acceptance_per_pos']]}"
+    )
     if ours != ref:
         raise GateFailure("serve", "PyTorch speculative decoding does not reproduce greedy decoding")
     t0 = time.time()
@@ -270,20 +337,38 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     tau = 1 + m["num_accepted_tokens"] / drafts
     per_pos = [a / drafts for a in m["accepted_per_pos"]]
     served = res["outputs"][0]
-    log(f"stage 3 vLLM {res['vllm_version']}: tau {tau:.3f}, per position {[round(x, 2) for x in per_pos]}, {m['num_drafts']} drafts ({time.time() - t0:.0f}s)")
+    log(
+        f"stage 3 vLLM {res['vllm_version']}: tau {tau:.3f}, per position {[round(x, 2) for x in per_pos]}, "
+        f"{m['num_drafts']} drafts ({time.time() - t0:.0f}s)"
+    )
     report = {
-        "vllm_tau": tau, "vllm_acceptance_per_pos": per_pos, "vllm_metrics": m, "pytorch_tau": ours_tau,
-        "pytorch_acceptance_per_pos": st.summary()["acceptance_per_pos"], "served_equals_greedy": served == ref[: len(served)] and len(served) == len(ref),
+        "vllm_tau": tau,
+        "vllm_acceptance_per_pos": per_pos,
+        "vllm_metrics": m,
+        "pytorch_tau": ours_tau,
+        "pytorch_acceptance_per_pos": st.summary()["acceptance_per_pos"],
+        "served_equals_greedy": served == ref[: len(served)] and len(served) == len(ref),
     }
     if m["num_drafts"] == 0:
         raise GateFailure("serve", "vLLM proposed no drafts: speculative decoding is not active")
     if tau - 1 < cfg.min_accept * cfg.k:
-        raise GateFailure("serve", f"vLLM accepted {tau - 1:.2f} drafts per step < {cfg.min_accept} x K={cfg.k} (tau {tau:.3f}; PyTorch tau {ours_tau:.3f}): the draft does not reproduce the sample it was overfit on")
+        raise GateFailure(
+            "serve",
+            f"vLLM accepted {tau - 1:.2f} drafts per step < {cfg.min_accept} x K={cfg.k} "
+            f"(tau {tau:.3f}; PyTorch tau {ours_tau:.3f}): the draft does not reproduce the sample it was overfit on",
+        )
     if abs(tau - ours_tau) > cfg.max_tau_gap * ours_tau:
-        raise GateFailure("serve", f"vLLM tau {tau:.3f} disagrees with PyTorch tau {ours_tau:.3f} on the same draft and prompt: a train/serve convention differs")
+        raise GateFailure(
+            "serve",
+            f"vLLM tau {tau:.3f} disagrees with PyTorch tau {ours_tau:.3f} on the same draft and prompt: "
+            "a train/serve convention differs",
+        )
     if not report["served_equals_greedy"]:
         i = next((j for j, (a, b) in enumerate(zip(served, ref)) if a != b), min(len(served), len(ref)))
-        raise GateFailure("serve", f"vLLM output differs from the target's greedy output at token {i} ({len(served)} vs {len(ref)} tokens)")
+        raise GateFailure(
+            "serve",
+            f"vLLM output differs from the target's greedy output at token {i} ({len(served)} vs {len(ref)} tokens)",
+        )
     return report
 
 
@@ -317,7 +402,11 @@ def main(cfg: GateConfig) -> int:
     report.update(passed=True, seconds=round(time.time() - t0, 1))
     (out / "gate.json").write_text(json.dumps(report, indent=1))
     s = report["serve"]
-    print(f"GATE PASSED in {report['seconds']:.0f}s: vLLM tau {s['vllm_tau']:.3f} (PyTorch {s['pytorch_tau']:.3f}, K={cfg.k}), served text == target greedy; report {out / 'gate.json'}", flush=True)
+    print(
+        f"GATE PASSED in {report['seconds']:.0f}s: vLLM tau {s['vllm_tau']:.3f} "
+        f"(PyTorch {s['pytorch_tau']:.3f}, K={cfg.k}), served text == target greedy; report {out / 'gate.json'}",
+        flush=True,
+    )
     return 0
 
 

@@ -7,6 +7,7 @@ With no arguments it trains an EAGLE-3 draft for the packaged SmolLM2-135M-Instr
 packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.json (config,
 versions, git commit, hardware, results), metrics.jsonl, tb/ (TensorBoard) and ckpt/step_N/.
 """
+
 import dataclasses
 import errno
 import json
@@ -24,23 +25,27 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from config import DeployConfig, cli
 from data.chat import DataError
 from data.datasets import DEFAULT_DATA, GlobalBatches, build_examples, collate, load_records, split_holdout
 from data.feature_store import batch_features, open_for_training
 from data.packing import pack, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
-from disagg.config import DeployConfig, cli
-from models.eagle3 import ATTENTION, LOSSES, param_count
+from disagg.roles import consumer_target
+from disagg.roles import main as disagg_main
+from distributed import all_sum, barrier, destroy, init_distributed
+from models.eagle3 import ATTENTION, LOSSES
+from models.families import FAMILIES, FAMILY_OPTIONS
+from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
-from strategies import STRATEGIES
 
 
 @dataclass
 class TrainConfig:
     strategy: str = "eagle3"
-    """draft family to train: eagle3 | peagle | dflash | domino | dspark (strategies.py)"""
+    """draft family to train: eagle3 | peagle | dflash | domino | dspark (models/families.py)"""
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
     data: str = DEFAULT_DATA
@@ -68,7 +73,7 @@ class TrainConfig:
     norm_output: bool = False
     """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
     moe_experts: int = 0
-    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/eagle3.py MoEMLP)"""
+    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/moe.py MoEMLP)"""
     moe_top_k: int = 1
     moe_shared: bool = False
     """add one always-on shared expert"""
@@ -112,9 +117,11 @@ class TrainConfig:
     eval_batch_size: int = 8
     attention: str = "auto"
     """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; FlexAttention, K/V
-    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md); auto = flex on GPU, lse on CPU"""
+    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md);
+    auto = flex on GPU, lse on CPU"""
     loss: str = "auto"
-    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
+    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU
+    (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
     backend: str = "hf"
@@ -139,7 +146,7 @@ class TrainConfig:
     """progress bars (tokenizing, evaluation, training) on rank 0"""
     config: str = ""
     """YAML file with any of these options (underscored names; deployment ones under `deploy:` or at top level);
-    flags given with it override it (disagg/config.py)"""
+    flags given with it override it (config.py)"""
     deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
     """disaggregated online training: producer and consumer pools (disagg/)"""
 
@@ -159,11 +166,30 @@ def validate(cfg: TrainConfig, world: int | None = None):
     """Option values that cannot work, as one message each, before anything is loaded or written.
     world: the ranks that split --batch-size (default: torchrun's WORLD_SIZE, or the launcher's consumer ranks)."""
     if world is None:
-        world = cfg.deploy.consumer_ranks if (cfg.deploy.producers and not cfg.deploy.role) else int(os.environ.get("WORLD_SIZE", 1))
+        world = (
+            cfg.deploy.consumer_ranks
+            if (cfg.deploy.producers and not cfg.deploy.role)
+            else int(os.environ.get("WORLD_SIZE", 1))
+        )
     at_least = {
-        "batch_size": 1, "eval_batch_size": 1, "log_every": 1, "ttt_length": 1, "draft_vocab_size": 1, "draft_layers": 1,
-        "num_anchors": 1, "moe_top_k": 1, "tp": 1, "max_len": 2, "steps": 0, "num_records": 0, "holdout": 0, "warmup": 0,
-        "stop_after": 0, "ckpt_every": 0, "eval_every": 0, "moe_experts": 0,
+        "batch_size": 1,
+        "eval_batch_size": 1,
+        "log_every": 1,
+        "ttt_length": 1,
+        "draft_vocab_size": 1,
+        "draft_layers": 1,
+        "num_anchors": 1,
+        "moe_top_k": 1,
+        "tp": 1,
+        "max_len": 2,
+        "steps": 0,
+        "num_records": 0,
+        "holdout": 0,
+        "warmup": 0,
+        "stop_after": 0,
+        "ckpt_every": 0,
+        "eval_every": 0,
+        "moe_experts": 0,
     }
     for name, low in at_least.items():
         v = getattr(cfg, name)
@@ -171,8 +197,12 @@ def validate(cfg: TrainConfig, world: int | None = None):
             hint = {"steps": " (0 = one epoch)", "num_records": " (0 = all)"}.get(name, "")
             raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
     floats = {  # name: (lowest, lowest allowed itself, highest)
-        "lr": (0.0, False, math.inf), "min_lr_ratio": (0.0, True, 1.0), "weight_decay": (0.0, True, math.inf),
-        "grad_clip": (0.0, False, math.inf), "moe_aux_coef": (0.0, True, math.inf), "loss_decay": (0.0, True, math.inf),
+        "lr": (0.0, False, math.inf),
+        "min_lr_ratio": (0.0, True, 1.0),
+        "weight_decay": (0.0, True, math.inf),
+        "grad_clip": (0.0, False, math.inf),
+        "moe_aux_coef": (0.0, True, math.inf),
+        "loss_decay": (0.0, True, math.inf),
     }
     for name, (low, closed, high) in floats.items():
         v = getattr(cfg, name)
@@ -184,20 +214,34 @@ def validate(cfg: TrainConfig, world: int | None = None):
     if cfg.moe_mode not in ("flops", "params"):
         raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
     if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
-        raise ConfigError(f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
-                          "data-parallel ranks")
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
+            "data-parallel ranks"
+        )
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
         raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
+    if cfg.strategy not in FAMILIES:
+        raise ConfigError(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(FAMILIES)}")
+    default = TrainConfig()
+    for name in sorted(
+        FAMILY_OPTIONS - FAMILIES[cfg.strategy].options
+    ):  # an option another family reads: refused, never ignored
+        if getattr(cfg, name) != getattr(default, name):
+            users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
+            raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
 
 
-def packing_blocker(cfg: TrainConfig, strategy, kind: str, attn_impl: str | None) -> str | None:
+def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
     """Why this run cannot pack rows without mixing documents (None: it can). attn_impl: the HF
     target's attention implementation (None for the compiled target or stored features)."""
-    if not strategy.packs:
-        packing = ", ".join(n for n, s in STRATEGIES.items() if s.packs)
-        return f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet (families that pack: {packing})"
+    if not family.packs:
+        packing = ", ".join(n for n, s in FAMILIES.items() if s.packs)
+        return (
+            f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
+            f"(families that pack: {packing})"
+        )
     if cfg.compile:
         return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
     if kind == "cuda" and cfg.attention == "lse":
@@ -224,7 +268,9 @@ def checkpoints(out: Path) -> list[Path]:
     ck = out / "ckpt"
     if not ck.is_dir():
         return []
-    steps = sorted((d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:]))
+    steps = sorted(
+        (d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:])
+    )
     latest = ck / "latest"
     try:
         named = ck / latest.read_text().strip() if latest.exists() else None
@@ -249,17 +295,27 @@ def check_out(cfg: TrainConfig, rank: int = 0):
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            why = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "no permission to write there",
-                   errno.EPERM: "no permission to write there", errno.ENOSPC: "no space left on that device"}.get(e.errno, e.strerror or str(e))
+            why = {
+                errno.EROFS: "it is on a read-only file system",
+                errno.EACCES: "no permission to write there",
+                errno.EPERM: "no permission to write there",
+                errno.ENOSPC: "no space left on that device",
+            }.get(e.errno, e.strerror or str(e))
             raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
     if cfg.resume:
         if not checkpoints(out):
-            again = "--overwrite instead of --resume to start it again" if previous_run(out) else "no --resume to start a run there"
+            again = (
+                "--overwrite instead of --resume to start it again"
+                if previous_run(out)
+                else "no --resume to start a run there"
+            )
             raise ConfigError(f"--resume: no checkpoint in {out / 'ckpt'} (pass {again})")
     elif not cfg.overwrite and (old := previous_run(out)):
         ck = checkpoints(out)
-        raise ConfigError(f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
-                          "pass --resume to continue it, --overwrite to replace it, or another --out")
+        raise ConfigError(
+            f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
+            "pass --resume to continue it, --overwrite to replace it, or another --out"
+        )
 
 
 def clear_previous_run(out: Path) -> list[str]:
@@ -282,23 +338,6 @@ def target_vocab_size(target_dir: Path) -> int | None:
     return c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
 
 
-def init_distributed(device_kind: str):
-    if "RANK" not in os.environ:
-        return 0, 1, 0
-    backend = "nccl" if device_kind == "cuda" else "gloo"
-    dist.init_process_group(backend)
-    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
-    if device_kind == "cpu":  # share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    return rank, world, local
-
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-    return x
-
-
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     """Linear warmup then cosine down to min_lr_ratio * lr."""
     if step < cfg.warmup:
@@ -310,22 +349,27 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate(cfg)
-        if cfg.strategy not in STRATEGIES:
-            raise SystemExit(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-        self.strategy = STRATEGIES[cfg.strategy]
+        self.family = FAMILIES[cfg.strategy]
         if cfg.objective == "auto":
-            cfg = dataclasses.replace(cfg, objective=self.strategy.objectives[0])
-        if cfg.objective not in self.strategy.objectives:
-            raise SystemExit(f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.strategy.objectives)}")
+            cfg = dataclasses.replace(cfg, objective=self.family.objectives[0])
+        if cfg.objective not in self.family.objectives:
+            raise SystemExit(
+                f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}"
+            )
         if cfg.compile and cfg.objective.startswith("lk"):
-            raise SystemExit("--compile with the LK objectives is untested (their batch-mean acceptance is all-reduced inside the step)")
+            raise SystemExit(
+                "--compile with the LK objectives is untested "
+                "(their batch-mean acceptance is all-reduced inside the step)"
+            )
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
         if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
             raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
         if kind == "cpu" and cfg.attention.startswith("flex"):
-            raise SystemExit("--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager")
+            raise SystemExit(
+                "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
+            )
         if cfg.backend not in ("hf", "compiled"):
             raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")
         self.cfg = cfg
@@ -342,8 +386,10 @@ class Trainer:
         self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
         if cfg.tp > 1:
             if self.world % cfg.tp or cfg.backend != "compiled" or cfg.features or cfg.deploy.role:
-                raise SystemExit(f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
-                                 "with an online target (no --features, no disaggregated roles)")
+                raise SystemExit(
+                    f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
+                    "with an online target (no --features, no disaggregated roles)"
+                )
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(kind, (self.world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
@@ -353,21 +399,23 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out)
         self.log = RunLog(self.out, enabled=self.rank == 0)
-        self.progress = 0.0  # fraction of the schedule done (loss schedules, e.g. Domino's)
+        self.schedule = 0.0  # fraction of training done (loss schedules, e.g. Domino's curriculum)
 
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
         V = target_vocab_size(target_dir)
-        if self.strategy.draft_vocab and V and cfg.draft_vocab_size > V:
-            raise ConfigError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
-                              f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's")
+        if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
+            raise ConfigError(
+                f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
+                f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's"
+            )
         self.store = None
         if cfg.features:
-            self.store, self._stored, self.target = open_for_training(cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device)
+            self.store, self._stored, self.target = open_for_training(
+                cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device
+            )
         elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
-            from disagg.roles import consumer_target
-
             self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
         elif cfg.backend == "compiled":
             from models.fast_target import FastTarget
@@ -375,7 +423,9 @@ class Trainer:
             self.target = FastTarget.from_pretrained(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
             if self.tp_mesh is not None:
                 self.target.parallelize(self.tp_mesh)
-                self.print(f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)")
+                self.print(
+                    f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)"
+                )
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         else:
@@ -389,7 +439,7 @@ class Trainer:
         """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
         refuses --pack on and runs auto unpacked, saying why."""
         attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
-        why = packing_blocker(self.cfg, self.strategy, kind, attn_impl)
+        why = packing_blocker(self.cfg, self.family, kind, attn_impl)
         if self.cfg.pack == "on" and why:
             raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
         if self.cfg.pack == "auto" and why:
@@ -397,8 +447,7 @@ class Trainer:
         return self.cfg.pack != "off" and why is None
 
     def barrier(self):
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
 
     def print(self, *a):
         if self.rank == 0:
@@ -419,15 +468,20 @@ class Trainer:
             stats.update(self.store.schema["data"]["stats"])
         else:
             records = load_records(cfg.data, cfg.num_records or None)
-            examples, n_records = build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats), len(records)
+            examples, n_records = (
+                build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats),
+                len(records),
+            )
         try:
             self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
             self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
         except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
             counts = json.dumps(dict(stats, records=n_records))
-            raise DataError(f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
-                            "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
-                            "within --max-len; see README 'Training your own draft')") from None
+            raise DataError(
+                f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
+                "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
+                "within --max-len; see README 'Training your own draft')"
+            ) from None
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
         self.total_steps = cfg.steps or self.batches.per_epoch
@@ -436,16 +490,24 @@ class Trainer:
         longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
         self.row_len = max(cfg.max_len, longest)
         if self.row_len > cfg.max_len:
-            self.print(f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens")
+            self.print(
+                f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
+            )
 
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
-        draft = self.strategy.build(cfg, t, counts, self.tokenizer)
+        draft = self.family.build(cfg, t, counts, self.tokenizer)
         self.draft_config = draft.config
         t2d = getattr(draft, "t2d", None)
-        vocab = "" if t2d is None else (
-            f", draft vocab {int(t2d.sum())} covers {counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens")
+        vocab = (
+            ""
+            if t2d is None
+            else (
+                f", draft vocab {int(t2d.sum())} covers "
+                f"{counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens"
+            )
+        )
         draft.to(self.device)
         self.print(f"[draft] {cfg.strategy}: {param_count(draft) / 1e6:.1f}M params{vocab}")
         if self.world > 1:
@@ -465,44 +527,55 @@ class Trainer:
         no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=True if self.device.type == "cuda" and self.world == 1 else None,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            fused=True if self.device.type == "cuda" and self.world == 1 else None,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
-    # ---- one batch -> the strategy's loss ----
+    # ---- one batch -> the family's loss ----
     def host_batch(self, examples, key: int = 0) -> dict:
         """Everything about a batch that the host knows without the GPU: collated tensors, the
-        strategy's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
+        family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
-        during training. key seeds the strategy's random draws (the step; eval batches: < 0)."""
+        during training. key seeds the family's random draws (the step; eval batches: < 0)."""
         b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
-        if self.cfg.compile or self.cfg.pad_to_max_len:  # one shape for every batch: pad to max_len, a multiple of the flex block
+        if (
+            self.cfg.compile or self.cfg.pad_to_max_len
+        ):  # one shape for every batch: pad to max_len, a multiple of the flex block
             b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
-        b = self.strategy.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
+        b = self.family.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
         # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
-        b.update(examples=examples, ntok=int(b["attention_mask"].sum()), row_tokens=b["attention_mask"].numel(),
-                 padded=not bool(b["attention_mask"].all()))
+        b.update(
+            examples=examples,
+            ntok=int(b["attention_mask"].sum()),
+            row_tokens=b["attention_mask"].numel(),
+            padded=not bool(b["attention_mask"].all()),
+        )
         return b
 
     def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
-        """Target features -> the strategy's batch -> its loss. With global_counts the per-position
+        """Target features -> the family's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
         already built and on the device (the prefetcher's)."""
         if b is None:
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
         if self.store is not None:
-            feats = batch_features(self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where"))
+            feats = batch_features(
+                self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where")
+            )
         elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
             feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
         else:
             feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
-        batch = self.strategy.make_batch(feats, b, self.target, self.draft)
-        counts = self.strategy.counts(batch, self.draft, self.cfg)
+        batch = self.family.make_batch(feats, b, self.target, self.draft)
+        counts = self.family.counts(batch, self.draft, self.cfg)
         if global_counts:
             counts = all_sum(counts)
         draft = self.draft_step if torch.is_grad_enabled() else self.draft
-        loss, stats = self.strategy.step(draft, batch, counts, self.cfg, b, self.progress)
+        loss, stats = self.family.step(draft, batch, counts, self.cfg, b, self.schedule)
         return loss * scale, stats, counts, b["ntok"]
 
     def metrics(self, stats, counts) -> dict:
@@ -524,7 +597,9 @@ class Trainer:
         for j in self.bar(range(n_iter), "eval"):
             i = (j * self.dp_size + self.dp_rank) * bs
             w = float(i < len(self.eval_set))
-            _, stats, counts, _ = self.forward(self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j)
+            _, stats, counts, _ = self.forward(
+                self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j
+            )
             tot_loss += w * stats["loss_sum"].float().cpu()
             tot_correct += w * stats["correct"].float().cpu()
             tot_counts += w * counts.float().cpu()
@@ -542,7 +617,10 @@ class Trainer:
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
-        rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        }
         rngs = [None] * self.world
         if dist.is_initialized():
             dist.all_gather_object(rngs, rng)
@@ -563,8 +641,20 @@ class Trainer:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in model_sd.items()}, tmp / "draft.safetensors")
-            (tmp / "config.json").write_text(json.dumps({"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}, indent=1))
-            torch.save({"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}, tmp / "train_state.pt")
+            (tmp / "config.json").write_text(
+                json.dumps(
+                    {
+                        "strategy": self.cfg.strategy,
+                        "draft": self.draft_config.to_dict(),
+                        "target": str(self.target.path),
+                    },
+                    indent=1,
+                )
+            )
+            torch.save(
+                {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world},
+                tmp / "train_state.pt",
+            )
             if d.exists():
                 shutil.rmtree(d)
             tmp.rename(d)  # a checkpoint directory is complete or absent
@@ -574,14 +664,24 @@ class Trainer:
         except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
             shutil.rmtree(tmp, ignore_errors=True)
             (ck / "latest.tmp").unlink(missing_ok=True)
-            why = "no space left on the device" if getattr(e, "errno", None) == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            why = (
+                "no space left on the device"
+                if getattr(e, "errno", None) == errno.ENOSPC
+                else f"{type(e).__name__}: {e}"
+            )
             try:
                 free = f"; {shutil.disk_usage(ck).free / 2**20:.0f} MiB free there"
             except OSError:
                 free = ""
             kept = [c.name for c in checkpoints(self.out)]
-            raise CheckpointError(f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
-                                  + (f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)" if kept else "no earlier checkpoint")) from None
+            raise CheckpointError(
+                f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
+                + (
+                    f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)"
+                    if kept
+                    else "no earlier checkpoint"
+                )
+            ) from None
 
     def latest_checkpoint(self) -> Path | None:
         found = checkpoints(self.out)
@@ -612,16 +712,22 @@ class Trainer:
                 continue
             break
         else:
-            raise CheckpointError("--resume: no intact checkpoint in " f"{self.out / 'ckpt'}: " + "; ".join(damaged))
+            raise CheckpointError(f"--resume: no intact checkpoint in {self.out / 'ckpt'}: " + "; ".join(damaged))
         if damaged:
-            self.print(f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)")
+            self.print(
+                f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)"
+            )
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         try:
-            set_state_dict(self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts)
+            set_state_dict(
+                self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
+            )
             self.sched.load_state_dict(state["sched"])
         except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
-                                  f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}") from None
+            raise CheckpointError(
+                f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
+                f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}"
+            ) from None
         if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
             rng = state["rng"][self.rank]
             torch.set_rng_state(rng["torch"])
@@ -635,15 +741,20 @@ class Trainer:
         """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count),
         only for a family whose draft runs over every row token once per TTT step (EAGLE-3): the others' work per
         token (P-EAGLE's sampled rollouts, the block drafters' anchors) has no such simple count, so no MFU."""
-        if not self.strategy.ttt_passes:
+        if not self.family.ttt_passes:
             return Throughput(None, self.world, None)
         K = self.cfg.ttt_length
-        n_draft = sum(p.numel() for p in self.draft.parameters())  # DTensor numel is the global size
+        n_draft = param_count(self.draft)  # DTensor numel is the global size
         n_target = 0
-        if not isinstance(self.target, TargetHeads):  # a target forward runs here (not offline / a consumer of producers)
+        if not isinstance(
+            self.target, TargetHeads
+        ):  # a target forward runs here (not offline / a consumer of producers)
             t = self.target
-            n_target = sum(p.numel() for p in t.parameters()) - t.embed_tokens.weight.numel() + (
-                t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)  # lookups are not matmuls; lm_head is
+            n_target = (
+                param_count(t)
+                - t.embed_tokens.weight.numel()
+                + (t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)
+            )  # lookups are not matmuls; lm_head is
         return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
 
     def sync_device(self):
@@ -658,8 +769,13 @@ class Trainer:
     def packing_summary(self, speed: Throughput) -> dict:
         """run.json: how full the rows of this invocation's training steps were."""
         real, rows = self.global_token_sum([speed.total_real, speed.total_rows])
-        return {"packed": self.pack, "row_len": self.row_len, "real_tokens": int(real), "row_tokens": int(rows),
-                "efficiency": real / max(rows, 1)}
+        return {
+            "packed": self.pack,
+            "row_len": self.row_len,
+            "real_tokens": int(real),
+            "row_tokens": int(rows),
+            "efficiency": real / max(rows, 1),
+        }
 
     # ---- hooks (disagg/roles.py's consumer overrides them) ----
     def step_examples(self, step: int) -> list:
@@ -675,7 +791,12 @@ class Trainer:
         if cfg.overwrite and not cfg.resume and self.rank == 0 and (old := clear_previous_run(self.out)):
             self.print(f"[out] --overwrite: removed the previous run's {', '.join(old)} from {self.out}")
         start = self.load() if cfg.resume else 0
-        meta = run_metadata(cfg, world=self.world, device=self.device, extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)})
+        meta = run_metadata(
+            cfg,
+            world=self.world,
+            device=self.device,
+            extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)},
+        )
         self.log.start(meta, resume=cfg.resume)
         results = {}
         if start == 0:
@@ -696,22 +817,36 @@ class Trainer:
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         for step in range(start, self.total_steps):
             b = next(prefetch)
-            self.progress = step / self.total_steps
+            self.schedule = step / self.total_steps
             loss, stats, counts, ntok = self.forward(b["examples"], scale=float(self.world), b=b)
             # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
             # eval, checkpoint, stop), so a bad step is caught before anything is saved
             n = step + 1
-            sync = (n % cfg.log_every == 0 or n == self.total_steps or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
-                    or (cfg.eval_every and n % cfg.eval_every == 0) or (cfg.stop_after and n - start >= cfg.stop_after))
+            sync = (
+                n % cfg.log_every == 0
+                or n == self.total_steps
+                or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
+                or (cfg.eval_every and n % cfg.eval_every == 0)
+                or (cfg.stop_after and n - start >= cfg.stop_after)
+            )
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
                 last = self.latest_checkpoint()
+                when = (
+                    ""
+                    if self.device.type == "cpu"
+                    else " at this step (on GPU the loss is checked at log/eval/checkpoint steps)"
+                )
                 raise FloatingPointError(
-                    f"non-finite loss at step {step}; parameters were not updated"
-                    f"{'' if self.device.type == 'cpu' else ' at this step (on GPU the loss is checked at log/eval/checkpoint steps)'}. "
-                    + (f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)" if last else
-                       f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the way): "
-                       "lower --lr or check the data, then rerun with --overwrite")
+                    f"non-finite loss at step {step}; parameters were not updated{when}. "
+                    + (
+                        f"Last good checkpoint: {last} "
+                        "(continue from it with --resume and a lower --lr, or check the data)"
+                        if last
+                        else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; "
+                        "--ckpt-every N saves along the way): "
+                        "lower --lr or check the data, then rerun with --overwrite"
+                    )
                 )
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
@@ -722,7 +857,11 @@ class Trainer:
             speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
-                m.update(loss=(all_sum(loss.detach().clone()) / self.world).item(), lr=self.sched.get_last_lr()[0], grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+                m.update(
+                    loss=(all_sum(loss.detach().clone()) / self.world).item(),
+                    lr=self.sched.get_last_lr()[0],
+                    grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+                )
                 m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
                 self.log.write({"step": step + 1, "split": "train", **m})
                 if bar:
@@ -744,7 +883,10 @@ class Trainer:
                     bar.close()
                 prefetch.close()
                 self.save(step + 1)
-                self.print(f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; continue with --resume")
+                self.print(
+                    f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; "
+                    "continue with --resume"
+                )
                 self.log.finish({"stopped_at": step + 1, "packing": self.packing_summary(speed)})
                 return {"stopped_at": step + 1}
         if bar:
@@ -757,8 +899,10 @@ class Trainer:
         self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
         self.log.finish(results)
         o = self.out
-        self.print(f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
-                   f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}")
+        self.print(
+            f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
+            f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}"
+        )
         return results
 
 
@@ -773,13 +917,11 @@ def main(cfg: TrainConfig):
         check_out(cfg, int(os.environ.get("RANK", 0)))
         trainer = Trainer(cfg)
         res = trainer.train()
-        if dist.is_initialized():  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
-            dist.barrier()
+        barrier()  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
     return res
 
 
@@ -799,13 +941,13 @@ if __name__ == "__main__":
     cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
-        from disagg.roles import main as disagg_main
-
         try:
-            if not cfg.deploy.role:  # the launcher: the options and --out before starting the pools (a consumer restarted
-                validate(cfg)       # by hand into its own --out resumes: disagg/roles.py)
+            if (
+                not cfg.deploy.role
+            ):  # the launcher: the options and --out before starting the pools (a consumer restarted
+                validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
                 check_out(cfg)
-            disagg_main(cfg)
+            disagg_main(cfg, Trainer)
         except (ConfigError, CheckpointError) as e:
             raise SystemExit(f"error: {e}") from None
     else:

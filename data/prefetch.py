@@ -6,6 +6,7 @@ while step i runs. The consumer's stream waits on an event, never the host.
     for step in range(start, stop):
         b = next(batches)       # dict: tensors on `device`, other values passed through
 """
+
 import queue
 import threading
 
@@ -50,7 +51,10 @@ class Prefetcher:
         if self.stream is None:
             return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in host.items()}, None
         with torch.cuda.stream(self.stream):
-            out = {k: v.pin_memory().to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in host.items()}
+            out = {
+                k: v.pin_memory().to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in host.items()
+            }
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done

@@ -7,6 +7,7 @@ The kept tokens are the most frequent ones under the loss mask (ties broken by l
 ascending id order. When the data has fewer distinct trained tokens than draft_vocab_size,
 the rest is filled with the lowest unused ids, so the mapping is always exactly Vd long.
 """
+
 import torch
 
 

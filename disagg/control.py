@@ -25,6 +25,7 @@ Hitting the window edge pauses new leases until in-flight samples drop to `low` 
 so producers work in bursts); positions that were given back (holes behind the frontier) are
 always leasable, so a paused pipeline can still fill the step the consumer waits for.
 """
+
 import json
 import os
 import socket
@@ -110,9 +111,15 @@ class Controller:
                 self._set("batch_size", batch_size)
                 self._set("state", "running")
             elif have != fingerprint:
-                diff = {k: (have.get(k), fingerprint.get(k)) for k in set(have) | set(fingerprint) if have.get(k) != fingerprint.get(k)}
-                raise PipelineError(f"{self.root} belongs to another run (differs in {diff}); "
-                                    "use another --control / --out, or the launcher without --resume")
+                diff = {
+                    k: (have.get(k), fingerprint.get(k))
+                    for k in set(have) | set(fingerprint)
+                    if have.get(k) != fingerprint.get(k)
+                }
+                raise PipelineError(
+                    f"{self.root} belongs to another run (differs in {diff}); "
+                    "use another --control / --out, or the launcher without --resume"
+                )
 
     # ---- run state ----
     def state(self) -> tuple[str, str | None]:
@@ -137,8 +144,10 @@ class Controller:
     def register(self, role: str, name: str = "") -> int:
         host, pid = socket.gethostname(), os.getpid()
         with self.tx():
-            cur = self.db.execute("INSERT INTO workers(name, role, pid, host, beat, state) VALUES (?, ?, ?, ?, ?, 'alive')",
-                                  (name or f"{host}-{pid}", role, pid, host, time.time()))
+            cur = self.db.execute(
+                "INSERT INTO workers(name, role, pid, host, beat, state) VALUES (?, ?, ?, ?, ?, 'alive')",
+                (name or f"{host}-{pid}", role, pid, host, time.time()),
+            )
             return cur.lastrowid
 
     def beat(self, wid: int):
@@ -155,8 +164,10 @@ class Controller:
             self.db.execute("UPDATE workers SET state='left' WHERE id=?", (wid,))
 
     def live_producers(self) -> list[str]:
-        rows = self.db.execute("SELECT name FROM workers WHERE role='producer' AND state='alive' AND beat>?",
-                               (time.time() - self.lease_timeout,)).fetchall()
+        rows = self.db.execute(
+            "SELECT name FROM workers WHERE role='producer' AND state='alive' AND beat>?",
+            (time.time() - self.lease_timeout,),
+        ).fetchall()
         return [r[0] for r in rows]
 
     def last_producer_beat(self) -> float | None:
@@ -165,22 +176,31 @@ class Controller:
     def _reclaim(self):
         """Leases of producers silent for lease_timeout go back to pending; a prompt leased
         max_attempts times fails the run (inside the caller's transaction)."""
-        dead = self.db.execute("SELECT id, name FROM workers WHERE role='producer' AND state='alive' AND beat<?",
-                               (time.time() - self.lease_timeout,)).fetchall()
+        dead = self.db.execute(
+            "SELECT id, name FROM workers WHERE role='producer' AND state='alive' AND beat<?",
+            (time.time() - self.lease_timeout,),
+        ).fetchall()
         for wid, name in dead:
             self.db.execute("UPDATE workers SET state='dead' WHERE id=?", (wid,))
-            self.db.execute("UPDATE items SET state='pending', worker=NULL, error=? WHERE state='leased' AND worker=?",
-                            (f"producer {name} stopped heartbeating", wid))
+            self.db.execute(
+                "UPDATE items SET state='pending', worker=NULL, error=? WHERE state='leased' AND worker=?",
+                (f"producer {name} stopped heartbeating", wid),
+            )
         self._check_attempts()
 
     def _check_attempts(self):
-        bad = self.db.execute("SELECT pos, sample, attempts, error FROM items WHERE state='pending' AND attempts>=? "
-                              "ORDER BY pos LIMIT 1", (self.max_attempts,)).fetchone()
+        bad = self.db.execute(
+            "SELECT pos, sample, attempts, error FROM items WHERE state='pending' AND attempts>=? ORDER BY pos LIMIT 1",
+            (self.max_attempts,),
+        ).fetchone()
         if bad and self._get("state") != "failed":
             pos, sample, attempts, error = bad
             self._set("state", "failed")
-            self._set("error", f"sample {sample} (queue position {pos}) was leased {attempts} times and never produced "
-                               f"(last: {error}); retry budget --max-attempts {self.max_attempts} exhausted")
+            self._set(
+                "error",
+                f"sample {sample} (queue position {pos}) was leased {attempts} times and never produced "
+                f"(last: {error}); retry budget --max-attempts {self.max_attempts} exhausted",
+            )
 
     # ---- producers ----
     def lease(self, wid: int, n: int, high: int, low: int) -> list[tuple[int, int, int]]:
@@ -201,16 +221,25 @@ class Controller:
             if paused and inflight <= low:
                 paused = False
                 self._set("resumes", self._get("resumes", 0) + 1)
-            if not paused and frontier >= lo + high and q("SELECT COUNT(*) FROM items WHERE state='pending' AND pos>=?", frontier):
+            if (
+                not paused
+                and frontier >= lo + high
+                and q("SELECT COUNT(*) FROM items WHERE state='pending' AND pos>=?", frontier)
+            ):
                 paused = True
                 self._set("pauses", self._get("pauses", 0) + 1)
             self._set("paused", paused)
             limit = frontier if paused else lo + high  # paused: only holes behind the frontier
-            rows = self.db.execute("SELECT pos, step, sample, attempts FROM items WHERE state='pending' AND (step<0 OR pos<?) "
-                                   "ORDER BY pos LIMIT ?", (limit, n)).fetchall()
+            rows = self.db.execute(
+                "SELECT pos, step, sample, attempts FROM items WHERE state='pending' AND (step<0 OR pos<?) "
+                "ORDER BY pos LIMIT ?",
+                (limit, n),
+            ).fetchall()
             rows = [r for r in rows if (r[1] < 0) == (rows[0][1] < 0)] if rows else []
             for pos, _, _, _ in rows:
-                self.db.execute("UPDATE items SET state='leased', worker=?, attempts=attempts+1 WHERE pos=?", (wid, pos))
+                self.db.execute(
+                    "UPDATE items SET state='leased', worker=?, attempts=attempts+1 WHERE pos=?", (wid, pos)
+                )
             if rows and rows[0][1] >= 0:
                 self._set("max_inflight", max(self._get("max_inflight", 0), inflight + len(rows)))
             return [(pos, sample, attempts + 1) for pos, _, sample, attempts in rows]
@@ -220,30 +249,47 @@ class Controller:
         (anything else is refused). False (and the caller drops its shard) when this producer
         no longer holds every lease, e.g. it was presumed dead and the prompts went elsewhere."""
         for pos, r in refs:
-            if type(r) is not SampleRef or not all(type(x) is int for x in (pos, r.id, r.offset, r.length)) or type(r.key) is not str:
-                raise TypeError(f"the control plane moves only SampleRef(id, key, offset, length) records, got {type(r).__name__}")
+            if (
+                type(r) is not SampleRef
+                or not all(type(x) is int for x in (pos, r.id, r.offset, r.length))
+                or type(r.key) is not str
+            ):
+                raise TypeError(
+                    f"the control plane moves only SampleRef(id, key, offset, length) records, got {type(r).__name__}"
+                )
         with self.tx():
-            mine = [pos for pos, _ in refs if self.db.execute(
-                "SELECT 1 FROM items WHERE pos=? AND state='leased' AND worker=?", (pos, wid)).fetchone()]
+            mine = [
+                pos
+                for pos, _ in refs
+                if self.db.execute(
+                    "SELECT 1 FROM items WHERE pos=? AND state='leased' AND worker=?", (pos, wid)
+                ).fetchone()
+            ]
             if len(mine) < len(refs):
                 self.db.executemany("UPDATE items SET state='pending', worker=NULL WHERE pos=?", [(p,) for p in mine])
                 return False
-            self.db.executemany("UPDATE items SET state='ready', key=?, off=?, len=?, error=NULL WHERE pos=?",
-                                [(r.key, r.offset, r.length, pos) for pos, r in refs])
+            self.db.executemany(
+                "UPDATE items SET state='ready', key=?, off=?, len=?, error=NULL WHERE pos=?",
+                [(r.key, r.offset, r.length, pos) for pos, r in refs],
+            )
             return True
 
     def give_back(self, wid: int, positions: list[int], error: str):
         """A producer could not produce these prompts (the error is kept; attempts count)."""
         with self.tx():
-            self.db.executemany("UPDATE items SET state='pending', worker=NULL, error=? WHERE pos=? AND worker=? AND state='leased'",
-                                [(error, p, wid) for p in positions])
+            self.db.executemany(
+                "UPDATE items SET state='pending', worker=NULL, error=? WHERE pos=? AND worker=? AND state='leased'",
+                [(error, p, wid) for p in positions],
+            )
             self._check_attempts()
 
     # ---- consumers ----
     def step_refs(self, step: int) -> list[SampleRef] | None:
         """The refs of one optimizer step (or of the eval set, step -1) in data order, once all
         of them are ready: the release quantum that keeps every consumer rank in step."""
-        rows = self.db.execute("SELECT state, sample, key, off, len FROM items WHERE step=? ORDER BY pos", (step,)).fetchall()
+        rows = self.db.execute(
+            "SELECT state, sample, key, off, len FROM items WHERE step=? ORDER BY pos", (step,)
+        ).fetchall()
         if not rows or any(r[0] not in ("ready", "trained") or r[2] is None for r in rows):
             return None
         return [SampleRef(sample, key, off, n) for _, sample, key, off, n in rows]
@@ -264,10 +310,14 @@ class Controller:
             if not self.live_producers():
                 since = max(t0, self.last_producer_beat() or 0)
                 if time.time() - since > producer_timeout:
-                    have = self.db.execute("SELECT COUNT(*), SUM(state='ready') FROM items WHERE step=?", (step,)).fetchone()
-                    self.fail(f"all producers are gone: none has sent a heartbeat for {time.time() - since:.0f} s "
-                              f"(--producer-timeout {producer_timeout:g}); {'eval set' if step < 0 else f'step {step}'} "
-                              f"has {have[1] or 0}/{have[0]} samples produced. Start producers (--role producer) to continue")
+                    have = self.db.execute(
+                        "SELECT COUNT(*), SUM(state='ready') FROM items WHERE step=?", (step,)
+                    ).fetchone()
+                    self.fail(
+                        f"all producers are gone: none has sent a heartbeat for {time.time() - since:.0f} s "
+                        f"(--producer-timeout {producer_timeout:g}); {'eval set' if step < 0 else f'step {step}'} "
+                        f"has {have[1] or 0}/{have[0]} samples produced. Start producers (--role producer) to continue"
+                    )
             self.check()
             time.sleep(poll)
 
@@ -275,13 +325,18 @@ class Controller:
         """After optimizer step `step`: record its samples in the ledger and mark them trained,
         in one transaction. Returns the store keys none of whose samples is needed any more."""
         with self.tx():
-            rows = self.db.execute("SELECT pos, sample, key FROM items WHERE step=? AND state='ready'", (step,)).fetchall()
+            rows = self.db.execute(
+                "SELECT pos, sample, key FROM items WHERE step=? AND state='ready'", (step,)
+            ).fetchall()
             now = time.time()
             self.db.executemany("INSERT INTO ledger VALUES (?, ?, ?, ?)", [(p, step, s, now) for p, s, _ in rows])
             self.db.execute("UPDATE items SET state='trained' WHERE step=? AND state='ready'", (step,))
             keys = sorted({k for _, _, k in rows})
-            return [k for k in keys if not self.db.execute(
-                "SELECT 1 FROM items WHERE key=? AND state!='trained' LIMIT 1", (k,)).fetchone()]
+            return [
+                k
+                for k in keys
+                if not self.db.execute("SELECT 1 FROM items WHERE key=? AND state!='trained' LIMIT 1", (k,)).fetchone()
+            ]
 
     def rollback(self, from_step: int) -> int:
         """The consumer restarts from a checkpoint taken after step from_step-1: steps it had
@@ -289,14 +344,19 @@ class Controller:
         pool (their features were deleted at ack; producers recompute them)."""
         with self.tx():
             n = self.db.execute("DELETE FROM ledger WHERE step>=?", (from_step,)).rowcount
-            self.db.execute("UPDATE items SET state='pending', worker=NULL, key=NULL, off=NULL, len=NULL, attempts=0 "
-                            "WHERE step>=? AND state='trained'", (from_step,))
+            self.db.execute(
+                "UPDATE items SET state='pending', worker=NULL, key=NULL, off=NULL, len=NULL, attempts=0 "
+                "WHERE step>=? AND state='trained'",
+                (from_step,),
+            )
             if self._get("state") == "done":
                 self._set("state", "running")
             return n
 
     def unused_keys(self) -> set[str]:
-        return {r[0] for r in self.db.execute("SELECT DISTINCT key FROM items WHERE key IS NOT NULL AND state!='trained'")}
+        return {
+            r[0] for r in self.db.execute("SELECT DISTINCT key FROM items WHERE key IS NOT NULL AND state!='trained'")
+        }
 
     # ---- inspection ----
     def ledger(self) -> list[tuple[int, int, int]]:
@@ -304,9 +364,15 @@ class Controller:
 
     def stats(self) -> dict:
         counts = dict(self.db.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall())
-        return {"items": counts, "max_inflight": self._get("max_inflight", 0), "pauses": self._get("pauses", 0),
-                "resumes": self._get("resumes", 0), "state": self._get("state"), "error": self._get("error"),
-                "workers": self.db.execute("SELECT name, role, state, pid FROM workers ORDER BY id").fetchall()}
+        return {
+            "items": counts,
+            "max_inflight": self._get("max_inflight", 0),
+            "pauses": self._get("pauses", 0),
+            "resumes": self._get("resumes", 0),
+            "state": self._get("state"),
+            "error": self._get("error"),
+            "workers": self.db.execute("SELECT name, role, state, pid FROM workers ORDER BY id").fetchall(),
+        }
 
     def close(self):
         self.db.close()

@@ -12,6 +12,7 @@ or whatever members of a multi-node deployment mount), so a dead producer loses 
 published. Mooncake has no key listing: keys() is empty and orphans of producers that died
 between put and publish stay until the master stops.
 """
+
 import json
 import os
 import shutil
@@ -55,21 +56,29 @@ class MooncakeFeatureStore:
         if schema is not None and _canon(schema) != _canon(self.schema):
             raise StoreError(f"{spec} was created with a different schema ({_diff(self.schema, schema)})")
         self.fields = {n: (DTYPES[f["dtype"]], tuple(f["shape"])) for n, f in self.schema["fields"].items()}
-        self._cache, self._lock = (None, None), threading.Lock()  # the last shard read: a step reads several of its samples
+        self._cache, self._lock = (
+            (None, None),
+            threading.Lock(),
+        )  # the last shard read: a step reads several of its samples
 
     def put(self, key: str, tensors: dict, meta: dict | None = None, samples=None):
         from safetensors.torch import save
 
-        header = {"schema": self.schema, "writer": f"{socket.gethostname()}-{os.getpid()}", "meta": meta or {},
-                  "samples": [[int(i), int(n)] for i, n in samples] if samples is not None else None}
+        header = {
+            "schema": self.schema,
+            "writer": f"{socket.gethostname()}-{os.getpid()}",
+            "meta": meta or {},
+            "samples": [[int(i), int(n)] for i, n in samples] if samples is not None else None,
+        }
         FeatureStore._check(self, key, header, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
-        blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"nanospec": json.dumps(header)})
+        blob = save(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata={"nanospec": json.dumps(header)}
+        )
         rc = self.client.put(key, blob)
         if rc != 0:
             raise StoreError(f"mooncake put {key} ({len(blob)} bytes) failed with {rc} (is the holder's segment full?)")
 
     def get(self, key: str) -> tuple[dict, dict]:
-        from safetensors import safe_open
         from safetensors.torch import load
 
         with self._lock:
@@ -114,8 +123,11 @@ def start_master(root: Path):
     exe = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
     port, metrics = _free_port(), _free_port()
     log = open(Path(root) / "mooncake_master.log", "w")
-    proc = subprocess.Popen([exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics}",
-                             "--metrics_host=127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [exe, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics}", "--metrics_host=127.0.0.1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     spec = f"mooncake://127.0.0.1:{port}"
     for _ in range(100):
         try:

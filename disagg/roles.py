@@ -16,6 +16,7 @@ The consumer is train.py's Trainer with three hooks (heads-only target, step_exa
 the loss, FSDP, checkpoints and logs are the colocated ones, so a disaggregated run follows
 the colocated loss curve.
 """
+
 import dataclasses
 import os
 import shutil
@@ -28,10 +29,15 @@ from pathlib import Path
 
 import torch
 
+from config import dump_yaml
 from data.chat import DataError
 from data.datasets import GlobalBatches, build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
 from disagg.control import Controller, PipelineError, plan_items
+from disagg.mooncake_store import MooncakeFeatureStore, start_master
+from distributed import destroy, pick_device
+from features import capture_examples, target_identity
+from models.target import Target, default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,21 +55,27 @@ def watermarks(cfg) -> tuple[int, int, int]:
     d, B = cfg.deploy, cfg.batch_size
     n, high, low = d.lease_size or B, d.high_watermark or 4 * B, d.low_watermark or 2 * B
     if high < B or not 0 <= low < high:
-        raise SystemExit(f"watermarks: need --high-watermark >= --batch-size ({B}) and 0 <= --low-watermark < "
-                         f"--high-watermark; got high {high}, low {low}")
+        raise SystemExit(
+            f"watermarks: need --high-watermark >= --batch-size ({B}) and 0 <= --low-watermark < "
+            f"--high-watermark; got high {high}, low {low}"
+        )
     return min(n, high), high, low
 
 
 def plan_fingerprint(cfg, train, evals, total: int) -> dict:
     """What the producers and consumers must agree on: the samples and their order."""
-    return {"tokens_sha": tokens_digest(list(train) + list(evals)), "train": len(train), "eval": len(evals),
-            "batch_size": cfg.batch_size, "seed": cfg.seed, "steps": total}
+    return {
+        "tokens_sha": tokens_digest(list(train) + list(evals)),
+        "train": len(train),
+        "eval": len(evals),
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
+        "steps": total,
+    }
 
 
 def open_store(spec: str, schema: dict | None = None):
     if spec.startswith("mooncake://"):
-        from disagg.mooncake_store import MooncakeFeatureStore
-
         return MooncakeFeatureStore(spec, schema)
     return FeatureStore(spec, schema)
 
@@ -90,9 +102,6 @@ class Heartbeat(threading.Thread):
 
 
 def produce(cfg):
-    from capture import capture_examples, pick_device, target_identity
-    from models.target import Target, load_tokenizer, resolve_target
-
     d = cfg.deploy
     kind, dtype = pick_device(cfg.device, "auto")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
@@ -108,12 +117,17 @@ def produce(cfg):
     n, high, low = watermarks(cfg)
     target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
     H = target.config.hidden_size
-    store = open_store(store_spec(cfg), feature_schema(target_identity(target), target.aux_layers, H, dtype, {"plan": fp}))
+    store = open_store(
+        store_spec(cfg), feature_schema(target_identity(target), target.aux_layers, H, dtype, {"plan": fp})
+    )
     wid = ctl.register("producer", d.worker_name)
     name = d.worker_name or f"w{wid}"
     beat = Heartbeat(control_dir(cfg), wid, d.heartbeat)
     beat.start()
-    print(f"[producer {name}] target {target_dir} ({dtype}), lease {n}, watermarks {low}/{high}, store {store_spec(cfg)}", flush=True)
+    print(
+        f"[producer {name}] target {target_dir} ({dtype}), lease {n}, watermarks {low}/{high}, store {store_spec(cfg)}",
+        flush=True,
+    )
     leases, produced, t0, idle = 0, 0, time.time(), 0.01
     try:
         while True:
@@ -156,16 +170,14 @@ def produce(cfg):
 # ====================================================================== consumer
 def consumer_target(target_dir, aux_layers, dtype, device):
     """The consumer needs only the target's embeddings and lm_head (producers run the rest)."""
-    from transformers import AutoConfig
-
-    from models.target import default_aux_layers, load_heads
+    from transformers import AutoConfig  # heavy, and only a consumer needs it here
 
     layers = list(aux_layers) or default_aux_layers(AutoConfig.from_pretrained(target_dir).num_hidden_layers)
     return load_heads(target_dir, layers, dtype, device)
 
 
-def consumer_class():
-    from train import Trainer
+def consumer_class(Trainer):
+    """train.py's Trainer (passed in: disagg/ does not import the entry script) with the consumer's hooks."""
 
     class Consumer(Trainer):
         """Trainer whose features come from the producers, one optimizer step at a time."""
@@ -181,21 +193,23 @@ def consumer_class():
         def _open_store(self):
             with self._lock:  # the prefetch thread and the main thread may both get here first
                 if self.store is None:
-                    from models.target import fingerprint
-
                     store = open_store(store_spec(self.cfg))
                     want = store.schema["target"]["fingerprint"]
                     if want != fingerprint(self.target.path) or store.schema["aux_layers"] != self.target.aux_layers:
-                        raise PipelineError(f"the producers' features in {store_spec(self.cfg)} come from another target or "
-                                            f"aux layers ({want}, {store.schema['aux_layers']}) than {self.target.path}")
+                        raise PipelineError(
+                            f"the producers' features in {store_spec(self.cfg)} come from another target or "
+                            f"aux layers ({want}, {store.schema['aux_layers']}) than {self.target.path}"
+                        )
                     self.store = store
 
         def _attach(self, examples, refs):
             out = []
             for e, r in zip(examples, refs):
                 if r.length != len(e.input_ids):
-                    raise PipelineError(f"ref {r} does not match sample {r.id} ({len(e.input_ids)} tokens): "
-                                        "producers and consumer tokenized different data")
+                    raise PipelineError(
+                        f"ref {r} does not match sample {r.id} ({len(e.input_ids)} tokens): "
+                        "producers and consumer tokenized different data"
+                    )
                 out.append(StoredExample(e.input_ids, e.loss_mask, r))
             return out
 
@@ -232,8 +246,11 @@ def consumer_class():
             if self.rank == 0:
                 n = self.ctl.rollback(start)
                 if n:
-                    print(f"[ledger] {n} samples trained after the checkpoint at step {start} are not in the weights: "
-                          "their prompts go back to the producers", flush=True)
+                    print(
+                        f"[ledger] {n} samples trained after the checkpoint at step {start} are not in the weights: "
+                        "their prompts go back to the producers",
+                        flush=True,
+                    )
             self.barrier()
             res = super().train()
             if self.rank == 0 and "stopped_at" not in res:
@@ -242,30 +259,29 @@ def consumer_class():
                 for key in left:  # eval features, and shards of producers that died mid-publish
                     self.store.delete(key)
                 s = self.ctl.stats()
-                print(f"[pipeline] done: {len(self.ctl.ledger())} samples in the ledger, max in flight {s['max_inflight']}, "
-                      f"producers paused {s['pauses']} times", flush=True)
+                print(
+                    f"[pipeline] done: {len(self.ctl.ledger())} samples in the ledger, "
+                    f"max in flight {s['max_inflight']}, "
+                    f"producers paused {s['pauses']} times",
+                    flush=True,
+                )
             return res
 
     return Consumer
 
 
-def consume(cfg):
+def consume(cfg, Trainer):
     try:
-        trainer = consumer_class()(cfg)
+        trainer = consumer_class(Trainer)(cfg)
         return trainer.train()
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy()
 
 
 # ====================================================================== launcher
 def launch(cfg):
     """One node, both pools: start the producers and the consumer ranks, supervise them, and
     fail the run (stopping everyone) if the consumer fails."""
-    from disagg.config import dump_yaml
-
     d = cfg.deploy
     root = control_dir(cfg)
     if not cfg.resume:  # a fresh run: no leases, refs or ledger of an earlier one (a --store of yours is left alone)
@@ -274,8 +290,6 @@ def launch(cfg):
     root.mkdir(parents=True, exist_ok=True)
     master = None
     if d.store == "mooncake://local":
-        from disagg.mooncake_store import start_master
-
         master, store = start_master(root)
         cfg = dataclasses.replace(cfg, deploy=dataclasses.replace(d, store=store))
         d = cfg.deploy
@@ -285,13 +299,21 @@ def launch(cfg):
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n_proc)))
     base = ["train.py", "--config", str(run_yaml)]
-    producers = [subprocess.Popen([sys.executable, *base, "--role", "producer", "--worker-name", f"p{i}"], cwd=ROOT, env=env)
-                 for i in range(d.producers)]
-    launcher = [sys.executable] if d.consumer_ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={d.consumer_ranks}"]
+    producers = [
+        subprocess.Popen([sys.executable, *base, "--role", "producer", "--worker-name", f"p{i}"], cwd=ROOT, env=env)
+        for i in range(d.producers)
+    ]
+    launcher = (
+        [sys.executable]
+        if d.consumer_ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={d.consumer_ranks}"]
+    )
     consumer = subprocess.Popen([*launcher, *base, "--role", "consumer"], cwd=ROOT, env=env)
-    print(f"[launch] {d.producers} producer(s) (pids {[p.pid for p in producers]}), {d.consumer_ranks} consumer rank(s) "
-          f"(pid {consumer.pid}); control {root}", flush=True)
+    print(
+        f"[launch] {d.producers} producer(s) (pids {[p.pid for p in producers]}), {d.consumer_ranks} consumer rank(s) "
+        f"(pid {consumer.pid}); control {root}",
+        flush=True,
+    )
     reported = set()
     try:
         while (rc := consumer.poll()) is None:
@@ -300,7 +322,10 @@ def launch(cfg):
                     reported.add(i)
                     print(f"[launch] producer p{i} exited ({p.returncode}); its leases return to the pool", flush=True)
                     if all(q.poll() not in (None, 0) for q in producers):  # none left to wait for
-                        Controller(root).fail(f"every producer exited with an error ({[q.returncode for q in producers]}); see their output above")
+                        Controller(root).fail(
+                            f"every producer exited with an error ({[q.returncode for q in producers]}); "
+                            "see their output above"
+                        )
             time.sleep(0.2)
         if rc != 0:
             Controller(root).fail(f"the consumer exited with status {rc}")
@@ -321,14 +346,14 @@ def launch(cfg):
             master.wait()
 
 
-def main(cfg):
-    """train.py's entry for --role / --producers."""
+def main(cfg, Trainer):
+    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks."""
     role = cfg.deploy.role
     try:
         if role == "producer":
             return produce(cfg)
         if role == "consumer":
-            return consume(cfg)
+            return consume(cfg, Trainer)
         return launch(cfg)
     except (PipelineError, DataError, FileNotFoundError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}") from None

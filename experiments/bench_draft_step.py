@@ -2,8 +2,8 @@
 
     python experiments/bench_draft_step.py                # Llama-3.1-8B-shaped draft, seq 4096, TTT 7
     python experiments/bench_draft_step.py --smoke        # tiny shapes on CPU: checks the script runs
-    python experiments/bench_draft_step.py --shape smollm2 --seq 512 --batch 16 --draft-vocab 8192 \
-        --ttt 1 2 3 5 7 9 13 --attention flex --loss triton --out experiments/results/ttt_cost_h200.jsonl
+    python experiments/bench_draft_step.py --target smollm2 --max-len 512 --batch-size 16 --draft-vocab-size 8192 \
+        --ttt-length 1 2 3 5 7 9 13 --attention flex --loss triton --out experiments/results/ttt_cost_h200.jsonl
         # the cost per TTT of the ttt_scaling.py drafts, each step alone on the GPU
 
 The step is the draft's part of training: TTT forward over the target features, backward,
@@ -14,7 +14,8 @@ Time: median over --iters steps after --warmup (CUDA events). Memory: peak alloc
 the step minus what the inputs and the model already held. One JSON line per combination is
 appended to experiments/results/draft_step_h200.jsonl.
 """
-import argparse
+
+import dataclasses
 import datetime
 import itertools
 import json
@@ -22,40 +23,67 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.eagle3 import ATTENTION, LOSSES, Eagle3Batch, Eagle3Config, Eagle3Draft, local_counts  # noqa: E402
+from models.layers import param_count  # noqa: E402
 
 
 def llama8b_draft(draft_vocab: int) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        max_position_embeddings=131072, vocab_size=128256, draft_vocab_size=draft_vocab,
-        target_hidden_size=4096, aux_layers=[1, 15, 28],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=131072,
+        vocab_size=128256,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=4096,
+        aux_layers=[1, 15, 28],
     )
 
 
 def smollm2_draft(draft_vocab: int) -> Eagle3Config:
     """SmolLM2-135M-Instruct's shapes (30 layers, hidden 576, 9 / 3 heads of 64)."""
     return Eagle3Config(
-        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        max_position_embeddings=8192, vocab_size=49152, draft_vocab_size=draft_vocab,
-        target_hidden_size=576, aux_layers=[1, 14, 26],
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=8192,
+        vocab_size=49152,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=576,
+        aux_layers=[1, 14, 26],
     )
 
 
 def tiny_draft(draft_vocab: int) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=4096, vocab_size=1000, draft_vocab_size=draft_vocab,
-        target_hidden_size=64, aux_layers=[0, 1, 2],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=4096,
+        vocab_size=1000,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=64,
+        aux_layers=[0, 1, 2],
     )
 
 
@@ -72,26 +100,40 @@ def random_batch(cfg: Eagle3Config, B: int, T: int, dtype, device, seed=0) -> Ea
     )
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--ttt", type=int, nargs="+", default=[7], help="one measurement per TTT length")
-    ap.add_argument("--shape", choices=("llama8b", "smollm2"), default="llama8b")
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--attention", nargs="*", default=["eager", "lse", "flex"])
-    ap.add_argument("--loss", nargs="*", default=list(LOSSES))
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "experiments/results/draft_step_h200.jsonl")
-    args = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    target: Literal["llama8b", "smollm2"] = "llama8b"
+    """whose draft shapes: a Llama-3.1-8B target's or SmolLM2-135M's"""
+    max_len: int = 4096
+    """tokens per row (--smoke: 96)"""
+    batch_size: int = 1
+    ttt_length: tuple[int, ...] = (7,)
+    """one measurement per TTT length"""
+    draft_vocab_size: int = 32000
+    attention: tuple[str, ...] = ("eager", "lse", "flex")
+    """TTT attention paths (train.py --attention; --smoke drops flex: no flex backward on CPU)"""
+    loss: tuple[str, ...] = tuple(LOSSES)
+    """head + loss paths (train.py --loss)"""
+    iters: int = 5
+    """timed steps (median)"""
+    warmup: int = 2
+    """untimed steps first"""
+    out: Path = ROOT / "experiments/results/draft_step_h200.jsonl"
+    """JSONL to append to (--smoke: /tmp/draft_step_smoke.jsonl)"""
+    smoke: bool = False
+    """tiny shapes on CPU (fp32): checks the script runs"""
 
+
+def main(args: Args):
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
-    cfg = tiny_draft(300) if smoke else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.shape](args.draft_vocab)
-    T = 96 if smoke else args.seq
+    cfg = (
+        tiny_draft(300)
+        if smoke
+        else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.target](args.draft_vocab_size)
+    )
+    T = 96 if smoke else args.max_len
     if smoke:
         args.attention = [a for a in args.attention if a != "flex"]  # no flex backward on CPU
         args.out = Path("/tmp/draft_step_smoke.jsonl")
@@ -101,14 +143,20 @@ def main():
     # every target token in the draft vocab, so all masked rows are trained
     draft.d2t.zero_()
     draft.t2d[: cfg.draft_vocab_size] = True
-    batch = random_batch(cfg, args.batch, T, dtype, device)
+    batch = random_batch(cfg, args.batch_size, T, dtype, device)
     batch.target_top.remainder_(cfg.draft_vocab_size)
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, foreach=True)
-    n_params = sum(p.numel() for p in draft.parameters())
+    n_params = param_count(draft)
     base = {
-        "name": "draft_step", "seq": T, "batch": args.batch, "vocab": cfg.draft_vocab_size,
-        "hidden": cfg.hidden_size, "params_m": round(n_params / 1e6, 1), "dtype": str(dtype).split(".")[-1],
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+        "name": "draft_step",
+        "seq": T,
+        "batch": args.batch_size,
+        "vocab": cfg.draft_vocab_size,
+        "hidden": cfg.hidden_size,
+        "params_m": round(n_params / 1e6, 1),
+        "dtype": str(dtype).split(".")[-1],
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
 
@@ -136,7 +184,7 @@ def main():
         return (time.perf_counter() - t0) * 1e3, float("nan"), float(total)
 
     rows = []
-    for ttt in args.ttt:
+    for ttt in args.ttt_length:
         counts = local_counts(batch, draft.t2d, ttt)
         ref_loss = None  # every combination's first step starts from the same parameters: same loss
         for attention, loss in itertools.product(args.attention, args.loss):
@@ -148,8 +196,13 @@ def main():
                 loss0 = runs[0][2]
                 ref_loss = loss0 if ref_loss is None else ref_loss
                 ms = statistics.median(r[0] for r in runs[args.warmup :])
-                row.update(ms=ms, peak_gib=round(runs[-1][1], 3), tokens_per_s=args.batch * T / (ms / 1e3),
-                           loss_first_step=loss0, loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss))
+                row.update(
+                    ms=ms,
+                    peak_gib=round(runs[-1][1], 3),
+                    tokens_per_s=args.batch_size * T / (ms / 1e3),
+                    loss_first_step=loss0,
+                    loss_rel_err_vs_first=abs(loss0 - ref_loss) / abs(ref_loss),
+                )
             except torch.OutOfMemoryError:
                 row.update(ms=None, peak_gib=None, oom=True)
                 opt.zero_grad(set_to_none=True)
@@ -168,8 +221,11 @@ def main():
         if r.get("oom"):
             print(f"{r['ttt']:4d} {r['impl']:16s}       OOM")
         else:
-            print(f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} {r['loss_rel_err_vs_first']:.1e}")
+            print(
+                f"{r['ttt']:4d} {r['impl']:16s} {r['ms']:9.1f} {r['peak_gib']:9.2f} {r['tokens_per_s']:9.0f} "
+                f"{r['loss_rel_err_vs_first']:.1e}"
+            )
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -1,13 +1,13 @@
 """Kernel benchmarks for one GPU (written for an H200; torch >= 2.11, triton >= 3.6).
 
     python experiments/bench_kernels.py                  # all benches, H200 shapes
-    python experiments/bench_kernels.py --only ce --seqs 4096
+    python experiments/bench_kernels.py --only ce --max-len 4096
     python experiments/bench_kernels.py --smoke          # tiny shapes on CPU: checks the script runs
 
 What is measured (bf16, batch 1, EAGLE-3 draft of a Llama-8B-like target: hidden 4096,
 32 query / 8 kv heads, head dim 128):
   ttt_attention  the whole TTT unroll, fwd + bwd: step s = 0..n-1 attends over s+1 key sets
-                 (n = --ttts), impls eager (materialised logits) / lse (fused causal SDPA +
+                 (n = --ttt-length), impls eager (materialised logits) / lse (fused causal SDPA +
                  log-sum-exp merge) / flex (compiled flex_attention with the TTT block mask, K/V of
                  the steps so far concatenated anew every step; what training uses) / flex_buf
                  (the same, each step's K/V written once into shared buffers). The rows of
@@ -20,6 +20,7 @@ What is measured (bf16, batch 1, EAGLE-3 draft of a Llama-8B-like target: hidden
                  eager torch (fp32 log-softmax) vs the Triton kernel (in-place backward)
   head_ce        draft head (hidden @ W^T, W [vocab, 4096]) + soft CE, fwd + bwd:
                  eager vs matmul + Triton CE vs fused linear-CE (row chunks)
+
 Time: median of triton.testing.do_bench (warm-up included, compile excluded by a first call).
 Memory: peak_gib = torch.cuda.max_memory_allocated() during one fwd + bwd minus what was
 allocated before it (inputs); peak_abs_gib includes the inputs. OOM is caught and recorded.
@@ -28,7 +29,8 @@ Correctness: each impl is compared with eager once per shape family at a small s
 Every measurement prints a table row and appends one JSON line to --out.
 The end-to-end draft-step benchmark lives elsewhere.
 """
-import argparse
+
+import dataclasses
 import datetime
 import gc
 import json
@@ -40,41 +42,50 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter) to test the script")
-    ap.add_argument("--only", nargs="*", choices=["attn", "call", "ce", "head"], default=["attn", "call", "ce", "head"])
-    ap.add_argument("--seqs", nargs="*", type=int, default=None, help="default 2048 4096 8192")
-    ap.add_argument("--ttts", nargs="*", type=int, default=None, help="TTT steps, default 1 3 7")
-    ap.add_argument("--vocabs", nargs="*", type=int, default=None, help="CE vocabularies, default 32000 64000")
-    ap.add_argument("--head-vocab", type=int, default=None, help="default 32000")
-    ap.add_argument("--attn-impls", nargs="*", default=["eager", "lse", "flex", "flex_buf"])
-    ap.add_argument("--flex-kernel-options", type=json.loads, default={},
-                    help='JSON kernel_options for every flex call, e.g. \'{"BLOCK_M": 128, "BLOCK_N": 64}\' (recorded per row)')
-    ap.add_argument("--check-seq", type=int, default=None, help="size of the correctness check, default 1024")
-    ap.add_argument("--out", type=Path, default=None, help="JSONL to append to")
-    return ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    only: tuple[Literal["attn", "call", "ce", "head"], ...] = ("attn", "call", "ce", "head")
+    """which benches"""
+    max_len: tuple[int, ...] = ()
+    """sequence lengths (default 2048 4096 8192; --smoke: 64 130)"""
+    ttt_length: tuple[int, ...] = ()
+    """TTT steps (default 1 3 7; --smoke: 1 3)"""
+    draft_vocab_size: tuple[int, ...] = ()
+    """CE vocabularies (default 32000 64000; --smoke: 300); the head bench takes the first"""
+    attention: tuple[str, ...] = ("eager", "lse", "flex", "flex_buf")
+    """TTT attention paths (train.py --attention)"""
+    flex_kernel_options: str = "{}"
+    """JSON kernel_options for every flex call, e.g. '{"BLOCK_M": 128, "BLOCK_N": 64}' (recorded per row)"""
+    check_seq: int = 0
+    """length of the correctness check (0 = 1024; --smoke: 48)"""
+    out: Path | None = None
+    """JSONL to append to (default experiments/results/kernels_h200.jsonl; --smoke: /tmp/kernels_smoke.jsonl)"""
+    smoke: bool = False
+    """tiny shapes on CPU (Triton interpreter) to test the script"""
 
 
-def main():
-    args = parse_args()
+def main(args: Args):
     if args.smoke:  # before triton is imported anywhere: CE kernels run in the interpreter on CPU
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     import triton
     import triton.testing
 
+    import kernels.ttt_attention
     from kernels.ce import soft_cross_entropy
     from kernels.fused_ce import fused_linear_soft_ce
-    import kernels.ttt_attention
     from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 
-    kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(args.flex_kernel_options)
+    flex_kernel_options = json.loads(args.flex_kernel_options)
+    kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(flex_kernel_options)
 
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
@@ -82,16 +93,20 @@ def main():
     dev = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16  # bf16 matmuls are emulated on CPU
     H, HQ, HKV, D = (64, 4, 2, 16) if smoke else (4096, 32, 8, 128)
-    seqs = args.seqs or ([64, 130] if smoke else [2048, 4096, 8192])
-    ttts = args.ttts or ([1, 3] if smoke else [1, 3, 7])
-    vocabs = args.vocabs or ([300] if smoke else [32000, 64000])
-    head_vocab = args.head_vocab or (300 if smoke else 32000)
+    seqs = args.max_len or ([64, 130] if smoke else [2048, 4096, 8192])
+    ttts = args.ttt_length or ([1, 3] if smoke else [1, 3, 7])
+    vocabs = args.draft_vocab_size or ([300] if smoke else [32000, 64000])
+    head_vocab = vocabs[0]
     check_seq = args.check_seq or (48 if smoke else 1024)
-    out_path = args.out or (Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl")
+    out_path = args.out or (
+        Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl"
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     meta = dict(
@@ -101,7 +116,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit,
         smoke=smoke,
-        flex_kernel_options=args.flex_kernel_options,
+        flex_kernel_options=flex_kernel_options,
         dtype=str(dtype).removeprefix("torch."),
     )
     rows = []
@@ -114,8 +129,11 @@ def main():
         ms = "OOM" if r.get("oom") else f"{r['ms']:.3f}"
         pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
         chk = "-" if r.get("check_err") is None else f"{r['check_err']:.1e}" + (" !!" if r["check_err"] > 0.05 else "")
-        print(f"{r['name']:<14} {r['impl']:<14} seq={r['seq']:<6} ttt={str(r['ttt']):<4} vocab={str(r['vocab']):<6} "
-              f"{ms:>10} ms  peak {pk:>7} GiB  check {chk}", flush=True)
+        print(
+            f"{r['name']:<14} {r['impl']:<14} seq={r['seq']:<6} ttt={str(r['ttt']):<4} vocab={str(r['vocab']):<6} "
+            f"{ms:>10} ms  peak {pk:>7} GiB  check {chk}",
+            flush=True,
+        )
 
     def measure(fn):
         """(median ms, peak GiB above the inputs, absolute peak GiB); fn is called once first
@@ -151,7 +169,9 @@ def main():
             err = check() if check is not None else None
             fn = make_fn()
             ms, peak, peak_abs = measure(fn)
-            record(name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields)
+            record(
+                name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields
+            )
         except torch.OutOfMemoryError:
             record(name=name, impl=impl, ms=None, peak_gib=None, peak_abs_gib=None, check_err=None, oom=True, **fields)
         finally:
@@ -206,15 +226,24 @@ def main():
                     return rel_err(step(impl, inputs, bwd), step(ref, inputs, bwd))
 
                 for i, seq in enumerate(seqs):
+
                     def make(impl=impl, seq=seq, n=n, bwd=bwd):
                         inputs = attn_inputs(seq, n)
                         return lambda: step(impl, inputs, bwd)
 
-                    run_case(name, impl, make, check if i == 0 and impl != ref else None,
-                             seq=seq, ttt=n, vocab=None, fwd_only=not bwd)
+                    run_case(
+                        name,
+                        impl,
+                        make,
+                        check if i == 0 and impl != ref else None,
+                        seq=seq,
+                        ttt=n,
+                        vocab=None,
+                        fwd_only=not bwd,
+                    )
 
     if "attn" in args.only:
-        bench_attention("ttt_attention", attn_step, args.attn_impls, "eager")
+        bench_attention("ttt_attention", attn_step, args.attention, "eager")
 
     # ----------------------------------------------------------------------- one TTT step's call
     # The protocol of SpecForge's flex-vs-eager figures (../shared/device/README.md): one attention
@@ -264,6 +293,7 @@ def main():
     if "ce" in args.only:
         for V in vocabs:
             for impl in ce_impls:
+
                 def check(impl=impl, V=V):
                     if impl == "eager":
                         return None
@@ -272,6 +302,7 @@ def main():
                     return rel_err(ce_step(impl, z.detach().clone().requires_grad_(), p, mask), want)
 
                 for i, seq in enumerate(seqs):
+
                     def make(impl=impl, seq=seq, V=V):
                         z, p, mask = ce_inputs(seq, V)
                         return lambda: ce_step(impl, z, p, mask)
@@ -295,6 +326,7 @@ def main():
     if "head" in args.only:
         V = head_vocab
         for impl in ["eager", "matmul+triton", "fused"]:
+
             def check(impl=impl):
                 if impl == "eager":
                     return None
@@ -302,6 +334,7 @@ def main():
                 return rel_err(head_step(impl, *inputs), head_step("eager", *inputs))
 
             for i, seq in enumerate(seqs):
+
                 def make(impl=impl, seq=seq):
                     inputs = head_inputs(seq, V)
                     return lambda: head_step(impl, *inputs)
@@ -315,9 +348,11 @@ def main():
         ms = "OOM" if r["oom"] else f"{r['ms']:.3f}"
         pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
         chk = "-" if r["check_err"] is None else f"{r['check_err']:.1e}"
-        print(f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
-              f"{ms:>10} {pk:>9} {chk:>8}")
+        print(
+            f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
+            f"{ms:>10} {pk:>9} {chk:>8}"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -7,14 +7,14 @@ Targets: SmolLM2-135M-Instruct (the packaged GGUF, dequantised to bf16) and a ra
 model shaped like Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256),
 built on the meta device, then to_empty() on the GPU and initialised there (normal(0, 0.02)
 matrices, unit norms, rotary tables rebuilt). Inputs: random token ids, full sequences of
---seqs tokens (no padding), --batch-tokens tokens per forward.
+--max-len tokens (no padding), --batch-tokens tokens per forward.
 
 Per (target, seq) it reports
   fwd_tok_s      target forward with the aux-layer hooks (capture.Target), features left on
-                 the GPU: CUDA-event time, median of --reps after --warmup
+                 the GPU: CUDA-event time, median of --iters after --warmup
   capture_tok_s  what `capture.py features` does per shard: forward + copy to the host +
-                 packing (capture.capture_examples) + FeatureStore.put (safetensors, fsync,
-                 rename) on --store-dir; wall time, median of --reps shards, shards deleted after
+                 packing (features.capture_examples) + FeatureStore.put (safetensors, fsync,
+                 rename) on --store-dir; wall time, median of --iters shards, shards deleted after
   bytes_per_token  shard bytes / tokens (input_ids int32 + loss_mask u8 + (n_aux + 1) * H bf16)
   write_gb_s     shard bytes / put() time
   peak_gib       torch.cuda.max_memory_allocated() during the forward
@@ -22,7 +22,8 @@ Correctness, inline: on one short sequence the captured aux/final hidden states 
 output_hidden_states[i + 1] and lm_head(final) equals HF's logits (max rel. error printed).
 Every measurement prints a row and appends one JSON line (hardware, versions, commit) to --out.
 """
-import argparse
+
+import dataclasses
 import datetime
 import json
 import os
@@ -31,31 +32,63 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                tie_word_embeddings=False)
-LLAMA_8B_SMOKE = {**LLAMA_8B, "hidden_size": 128, "intermediate_size": 256,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "num_hidden_layers": 8}
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=False,
+)
+LLAMA_8B_SMOKE = {
+    **LLAMA_8B,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "num_hidden_layers": 8,
+}
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (fp32) to test the script")
-    ap.add_argument("--targets", nargs="*", default=["smollm2", "llama8b"], choices=["smollm2", "llama8b"])
-    ap.add_argument("--smollm2", default="smollm2", help="SmolLM2 target: a .gguf path, an HF dir, or 'smollm2' (packaged)")
-    ap.add_argument("--seqs", nargs="*", type=int, default=None, help="default 4096 (smoke: 128)")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward, default 32768 (smoke: 512)")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions, default 5 (smoke: 2)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--store-dir", type=Path, default=None, help="where shards are written (default: a temp dir)")
-    ap.add_argument("--out", type=Path, default=None, help="JSONL to append to (default experiments/results/capture_h200.jsonl; smoke: $TMPDIR/capture_smoke.jsonl)")
-    return ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    target: tuple[Literal["smollm2", "llama8b"], ...] = ("smollm2", "llama8b")
+    """which targets: SmolLM2 (--smollm2) and a random-weight Llama-3.1-8B shape"""
+    smollm2: str = "smollm2"
+    """the SmolLM2 target: a .gguf path, an HF dir, or 'smollm2' (packaged)"""
+    max_len: tuple[int, ...] = ()
+    """tokens per sequence (default 4096; --smoke: 128)"""
+    batch_tokens: int = 0
+    """tokens per forward (0 = 32768; --smoke: 512)"""
+    iters: int = 0
+    """timed repetitions (0 = 5; --smoke: 2)"""
+    warmup: int = 2
+    """untimed repetitions first"""
+    store_dir: Path | None = None
+    """where shards are written (default: a temp dir)"""
+    out: Path | None = None
+    """JSONL to append to (default experiments/results/capture_h200.jsonl; --smoke: $TMPDIR/capture_smoke.jsonl)"""
+    smoke: bool = False
+    """tiny shapes on CPU (fp32) to test the script"""
 
 
 def random_llama(shape: dict, device, dtype):
@@ -78,7 +111,10 @@ def random_llama(shape: dict, device, dtype):
     rot = model.model.rotary_emb
     with torch.device(device):
         model.model.rotary_emb = type(rot)(cfg)
-    assert torch.isfinite(model.model.rotary_emb.inv_freq).all() and model.model.rotary_emb.inv_freq.device.type == device.type
+    assert (
+        torch.isfinite(model.model.rotary_emb.inv_freq).all()
+        and model.model.rotary_emb.inv_freq.device.type == device.type
+    )
     return model.eval()
 
 
@@ -90,11 +126,18 @@ def env_info(device) -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = "unknown"
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "commit": commit or "unknown", "host": platform.node()}
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": commit or "unknown",
+        "host": platform.node(),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
@@ -102,21 +145,24 @@ def env_info(device) -> dict:
     return info
 
 
-def main():
-    args = parse_args()
+def main(args: Args):
     import torch
 
-    from capture import capture_examples
     from data.chat import Example
     from data.feature_store import FeatureStore, feature_schema
+    from features import capture_examples
     from models.target import Target
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    seqs = args.seqs or ([128] if args.smoke else [4096])
+    seqs = args.max_len or ([128] if args.smoke else [4096])
     batch_tokens = args.batch_tokens or (512 if args.smoke else 32768)
-    reps = args.reps or (2 if args.smoke else 5)
-    out = args.out or (Path(tempfile.gettempdir()) / "capture_smoke.jsonl" if args.smoke else ROOT / "experiments" / "results" / "capture_h200.jsonl")
+    reps = args.iters or (2 if args.smoke else 5)
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "capture_smoke.jsonl"
+        if args.smoke
+        else ROOT / "experiments" / "results" / "capture_h200.jsonl"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     info = env_info(device)
     print(f"# {info}", flush=True)
@@ -128,7 +174,7 @@ def main():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for name in args.targets:
+    for name in args.target:
         t0 = time.time()
         if name == "smollm2":
             target = Target.load(args.smollm2, None, dtype, device)
@@ -146,8 +192,11 @@ def main():
         rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         err = max(rel(f.aux_hidden, want), rel(target.lm_head(f.final_hidden), ref.logits))
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), f"{name}: capture differs from HF by {err}"
-        print(f"# {name}: {c.num_hidden_layers} layers, H={H}, V={V}, aux {target.aux_layers}, {dtype}, "
-              f"loaded in {load_s:.1f} s; check vs HF: max rel err {err:.1e}", flush=True)
+        print(
+            f"# {name}: {c.num_hidden_layers} layers, H={H}, V={V}, aux {target.aux_layers}, {dtype}, "
+            f"loaded in {load_s:.1f} s; check vs HF: max rel err {err:.1e}",
+            flush=True,
+        )
 
         for seq in seqs:
             B = max(1, batch_tokens // seq)
@@ -155,8 +204,17 @@ def main():
             gen = torch.Generator().manual_seed(seq)
             batch = [Example(torch.randint(0, V, (seq,), generator=gen).tolist(), [1] * seq) for _ in range(B)]
             x = torch.tensor([e.input_ids for e in batch], device=device)
-            row = {"bench": "capture", "target": name, "seq": seq, "batch": B, "dtype": str(dtype).removeprefix("torch."),
-                   "hidden": H, "layers": c.num_hidden_layers, "n_aux": len(target.aux_layers), **info}
+            row = {
+                "bench": "capture",
+                "target": name,
+                "seq": seq,
+                "batch": B,
+                "dtype": str(dtype).removeprefix("torch."),
+                "hidden": H,
+                "layers": c.num_hidden_layers,
+                "n_aux": len(target.aux_layers),
+                **info,
+            }
             try:
                 # forward only
                 times = []
@@ -175,12 +233,16 @@ def main():
                 if device.type == "cuda":
                     row["peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
                     # 2 * params * tokens (+ attention 4 * L * T^2 * H / 2 causal) FLOPs
-                    n_params = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+                    n_params = sum(
+                        p.numel() for n, p in target.model.named_parameters() if "embed" not in n and "lm_head" not in n
+                    )
                     flops = 2 * n_params * ntok + 2 * c.num_hidden_layers * B * seq * seq * H
                     row["fwd_tflops"] = flops / statistics.median(times) / 1e12
                 # capture: forward + host copy + pack + atomic shard write, as capture.py does
-                store = FeatureStore(Path(tmp.name) / f"{name}-{seq}", feature_schema(
-                    {"fingerprint": name}, target.aux_layers, H, dtype, {"num_examples": B}))
+                store = FeatureStore(
+                    Path(tmp.name) / f"{name}-{seq}",
+                    feature_schema({"fingerprint": name}, target.aux_layers, H, dtype, {"num_examples": B}),
+                )
                 cap, put, nbytes = [], [], 0
                 for i in range(args.warmup + reps):
                     t = time.perf_counter()
@@ -203,10 +265,13 @@ def main():
                 row["error"] = f"OOM: {str(e)[:200]}"
                 torch.cuda.empty_cache()
             row["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-            print(f"{name:8s} seq {seq:5d} x{B:<3d} fwd {row.get('fwd_tok_s', 0):10.0f} tok/s "
-                  f"({row.get('fwd_tflops', 0):.0f} TFLOP/s)  capture {row.get('capture_tok_s', 0):10.0f} tok/s  "
-                  f"{row.get('bytes_per_token', 0):7.0f} B/tok  write {row.get('write_gb_s', 0):.2f} GB/s  "
-                  f"peak {row.get('peak_gib', 0):.1f} GiB {row.get('error', '')}", flush=True)
+            print(
+                f"{name:8s} seq {seq:5d} x{B:<3d} fwd {row.get('fwd_tok_s', 0):10.0f} tok/s "
+                f"({row.get('fwd_tflops', 0):.0f} TFLOP/s)  capture {row.get('capture_tok_s', 0):10.0f} tok/s  "
+                f"{row.get('bytes_per_token', 0):7.0f} B/tok  write {row.get('write_gb_s', 0):.2f} GB/s  "
+                f"peak {row.get('peak_gib', 0):.1f} GiB {row.get('error', '')}",
+                flush=True,
+            )
             with open(out, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
         del target
@@ -217,4 +282,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

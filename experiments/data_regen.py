@@ -11,6 +11,7 @@ in <runs-dir>/data_regen/data/matched.json).
 
 Rows: experiments/results/data_regen.csv.
 """
+
 import json
 import statistics
 import sys
@@ -60,8 +61,9 @@ def matched_files(out: Path, limit: int = 0) -> tuple[Path, Path]:
         new = to_messages(r)
         old = [m for group, reply in original_replies(to_messages(originals[r["id"]])) for m in (*group, reply)]
         old = old[: len(new)]
-        if [(m["role"], m["content"]) for m in old if m["role"] != "assistant"] != [(m["role"], m["content"]) for m in new if m["role"] != "assistant"] \
-                or [m["role"] for m in old] != [m["role"] for m in new]:
+        if [(m["role"], m["content"]) for m in old if m["role"] != "assistant"] != [
+            (m["role"], m["content"]) for m in new if m["role"] != "assistant"
+        ] or [m["role"] for m in old] != [m["role"] for m in new]:
             skipped["turns_differ"] += 1
             continue
         kept.append((r["id"], old, new))
@@ -91,9 +93,13 @@ def reply_stats(path: Path, loop_share: float = 0.2) -> dict:
             if m["role"] == "assistant":
                 words.append(len(m["content"].split()))
                 reps.append(repetition(m["content"]))
-    return {"replies": len(words), "words_median": statistics.median(words), "words_mean": round(statistics.fmean(words), 1),
-            "repeated_4gram_share_mean": round(statistics.fmean(reps), 3),
-            f"replies_over_{loop_share:g}_repeated": round(sum(r > loop_share for r in reps) / len(reps), 3)}
+    return {
+        "replies": len(words),
+        "words_median": statistics.median(words),
+        "words_mean": round(statistics.fmean(words), 1),
+        "repeated_4gram_share_mean": round(statistics.fmean(reps), 3),
+        f"replies_over_{loop_share:g}_repeated": round(sum(r > loop_share for r in reps) / len(reps), 3),
+    }
 
 
 def prepare(a: SweepArgs) -> SweepArgs:

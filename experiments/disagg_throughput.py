@@ -11,7 +11,8 @@ included). Appends one JSON row per mode to experiments/results/disagg_throughpu
 the figure is disagg_throughput_cpu.png. The loss curves of the modes are compared inline (the
 disaggregated run must follow the colocated one).
 """
-import argparse
+
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,18 +20,43 @@ import sys
 import time
 from pathlib import Path
 
+import tyro
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "experiments" / "results"
 JSONL = RESULTS / "disagg_throughput_cpu.jsonl"
 FIG = RESULTS / "disagg_throughput_cpu.png"
-BASE = ["--num-records", "300", "--holdout", "8", "--eval-batch-size", "8", "--max-len", "256", "--batch-size", "4",
-        "--ttt-length", "3", "--steps", "14", "--no-progress"]
+BASE = [
+    "--num-records",
+    "300",
+    "--holdout",
+    "8",
+    "--eval-batch-size",
+    "8",
+    "--max-len",
+    "256",
+    "--batch-size",
+    "4",
+    "--ttt-length",
+    "3",
+    "--steps",
+    "14",
+    "--no-progress",
+]
 MODES = {"colocated": [], "disagg 1P+1C": ["--producers", "1"], "disagg 2P+1C": ["--producers", "2"]}
 
 
 def run(name, extra, out):
-    cmd = [sys.executable, "train.py", *BASE, "--out", str(out), "--overwrite", *extra]  # a mode not in the JSONL yet starts again
+    cmd = [
+        sys.executable,
+        "train.py",
+        *BASE,
+        "--out",
+        str(out),
+        "--overwrite",
+        *extra,
+    ]  # a mode not in the JSONL yet starts again
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - t0
@@ -39,8 +65,14 @@ def run(name, extra, out):
     rows = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r["split"] == "train"]
     bs = int(BASE[BASE.index("--batch-size") + 1])
     steady = (len(rows) - 2) * bs / (rows[-1]["time"] - rows[1]["time"])
-    return {"mode": name, "samples_per_s": steady, "tokens_per_s_logged": rows[-1]["tokens_per_s"], "wall_s": wall,
-            "losses": [r["loss"] for r in rows], "command": " ".join(["python", "train.py", *BASE, *extra])}
+    return {
+        "mode": name,
+        "samples_per_s": steady,
+        "tokens_per_s_logged": rows[-1]["tokens_per_s"],
+        "wall_s": wall,
+        "losses": [r["loss"] for r in rows],
+        "command": " ".join(["python", "train.py", *BASE, *extra]),
+    }
 
 
 def plot():
@@ -57,8 +89,11 @@ def plot():
     ax[1].bar(names, [r["wall_s"] for r in rows], color=["gray", "tab:blue", "tab:orange"][: len(rows)])
     ax[1].set_ylabel("wall time of the command (s)")
     hw = rows[0]["hardware"]
-    fig.suptitle(f"SmolLM2-135M target, EAGLE-3 draft (TTT 3), batch 4 x 256 tok, fp32 — {hw['cpu']} "
-                 f"({hw['cpu_count']} cores), torch {rows[0]['versions']['torch']}, {rows[0]['date'][:10]}", fontsize=8)
+    fig.suptitle(
+        f"SmolLM2-135M target, EAGLE-3 draft (TTT 3), batch 4 x 256 tok, fp32 — {hw['cpu']} "
+        f"({hw['cpu_count']} cores), torch {rows[0]['versions']['torch']}, {rows[0]['date'][:10]}",
+        fontsize=8,
+    )
     for a in ax:
         a.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
@@ -66,11 +101,15 @@ def plot():
     print(f"wrote {FIG}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--plot", action="store_true")
-    ap.add_argument("--out", default="runs/disagg_throughput")
-    args = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    out: str = "runs/disagg_throughput"
+    """run directories of the modes (one subdirectory each)"""
+    plot: bool = False
+    """only redraw the figure from the JSONL"""
+
+
+def main(args: Args):
     if not args.plot:
         from runlog import git_commit, hardware, versions
 
@@ -80,9 +119,14 @@ def main():
                 continue
             load0 = os.getloadavg()[0]  # other work on the machine skews the comparison: recorded
             res = run(name, extra, Path(args.out) / name.replace(" ", "_").replace("+", ""))
-            res.update(loadavg_1min_before=round(load0, 2), loadavg_1min_after=round(os.getloadavg()[0], 2),
-                       hardware=hardware("cpu"), versions=versions(), git_commit=git_commit(),
-                       date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+            res.update(
+                loadavg_1min_before=round(load0, 2),
+                loadavg_1min_after=round(os.getloadavg()[0], 2),
+                hardware=hardware("cpu"),
+                versions=versions(),
+                git_commit=git_commit(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            )
             RESULTS.mkdir(parents=True, exist_ok=True)
             with open(JSONL, "a") as f:
                 f.write(json.dumps(res) + "\n")
@@ -97,4 +141,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

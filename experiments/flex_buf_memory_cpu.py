@@ -9,6 +9,7 @@ Result on 2026-11-29 (torch 2.13.0 CPU, TTT 7): cat 72.0, buf 62.0: with the wri
 gradients included, the buffers save memory around flex, so the H200 excess (1.37 vs 0.83 GiB,
 BENCHMARKS.md) most likely comes from the real compiled flex with strided K/V views.
 """
+
 import sys
 from pathlib import Path
 
@@ -54,12 +55,20 @@ class StandInFlex(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         q, k, v = ctx.saved_tensors
-        return g * 1.0, torch.ones_like(k, memory_format=torch.contiguous_format), torch.ones_like(v, memory_format=torch.contiguous_format)
+        return (
+            g * 1.0,
+            torch.ones_like(k, memory_format=torch.contiguous_format),
+            torch.ones_like(v, memory_format=torch.contiguous_format),
+        )
 
 
 def peak_in_steps(kind: str, B=1, H=2, T=256, D=16, S=7) -> float:
     qs, ks, vs = ([torch.randn(B, H, T, D, requires_grad=True) for _ in range(S)] for _ in range(3))
-    attend = ta.TTTFlexAttention(S, compiled=False) if kind == "buf" else (lambda q, k, v: ta.ttt_attention_flex(q, k, v, compiled=False))
+    attend = (
+        ta.TTTFlexAttention(S, compiled=False)
+        if kind == "buf"
+        else (lambda q, k, v: ta.ttt_attention_flex(q, k, v, compiled=False))
+    )
     with PeakBytes() as m:
         sum(attend(qs[s], ks[: s + 1], vs[: s + 1]).sum() for s in range(S)).backward()
     return m.peak / (B * H * T * D * 4)
@@ -67,8 +76,10 @@ def peak_in_steps(kind: str, B=1, H=2, T=256, D=16, S=7) -> float:
 
 def stand_in_patches() -> dict:
     """kernels.ttt_attention attributes to replace: eager flex by the stand-in (which ignores the mask)."""
-    return {"flex_attention_eager": lambda q, k, v, block_mask=None, enable_gqa=False, **kw: StandInFlex.apply(q, k, v),
-            "_cached_ttt_block_mask": lambda *a, **kw: None}
+    return {
+        "flex_attention_eager": lambda q, k, v, block_mask=None, enable_gqa=False, **kw: StandInFlex.apply(q, k, v),
+        "_cached_ttt_block_mask": lambda *a, **kw: None,
+    }
 
 
 if __name__ == "__main__":

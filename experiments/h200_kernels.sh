@@ -10,10 +10,10 @@
 set -uo pipefail
 J=$OUT/kernels.jsonl
 L=$OUT/kernels.log
-timeout 150 python3 experiments/bench_kernels.py --only call --seqs 4096 --ttts 1 3 7 --out $J >> $L 2>&1
+timeout 150 python3 experiments/bench_kernels.py --only call --max-len 4096 --ttt-length 1 3 7 --out $J >> $L 2>&1
 for opts in '{"BLOCK_M": 128, "BLOCK_N": 128}' '{"BLOCK_M": 64, "BLOCK_N": 64}' '{"num_stages": 2}' '{"ROWS_GUARANTEED_SAFE": true}'; do
   echo "== kernel_options $opts" >> $L
-  timeout 90 python3 experiments/bench_kernels.py --only attn --seqs 4096 --ttts 7 --attn-impls flex \
+  timeout 90 python3 experiments/bench_kernels.py --only attn --max-len 4096 --ttt-length 7 --attention flex \
     --flex-kernel-options "$opts" --out $J >> $L 2>&1 || echo "failed or timed out: $opts" >> $L
 done
 grep -h "^ttt_\|^name\|==\|failed" $L

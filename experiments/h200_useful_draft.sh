@@ -41,11 +41,11 @@ case $PHASE in
   regen)
     [[ -f $W/regen/prompts.jsonl.gz ]] || cp .stage/regen/prompts.jsonl.gz $W/regen/
     if [[ ! -f $W/regen/bench_done ]]; then
-      timeout 200 python3 experiments/regen_sharegpt.py bench --state $W/regen --out-dir $W/regen --target $T \
-        --bench-n ${BENCH_N:-256} > $OUT/regen_bench.log 2>&1 && touch $W/regen/bench_done
+      timeout 200 python3 experiments/regen_sharegpt.py bench --state $W/regen --out $W/regen --target $T \
+        --num-records ${BENCH_N:-256} > $OUT/regen_bench.log 2>&1 && touch $W/regen/bench_done
       cp $W/regen/regen_bench.jsonl $OUT/ 2>/dev/null
     fi
-    timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/regen --out-dir $W/regen_out --target $T \
+    timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/regen --out $W/regen_out --target $T \
       --time-limit $(($(left) - 45)) >> $OUT/regen_run.log 2>&1
     cp $W/regen_out/regen.provenance.json $W/regen_out/regen.dropped.jsonl $OUT/ 2>/dev/null
     cp $W/regen_out/regen.jsonl.gz $OUT/ && parts $OUT/regen.jsonl.gz
@@ -69,7 +69,7 @@ case $PHASE in
     jobs=()
     for i in 0 1; do
       mkdir -p $W/s$i && cp --update=none .stage/regen/s$i/prompts.jsonl.gz $W/s$i/
-      CUDA_VISIBLE_DEVICES=$i timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/s$i --out-dir $W/out$i \
+      CUDA_VISIBLE_DEVICES=$i timeout $(left) python3 experiments/regen_sharegpt.py run --state $W/s$i --out $W/out$i \
         --target $T --time-limit $(($(left) - ${FINALIZE_S:-120})) > $OUT/regen_s$i.log 2>&1 &
       jobs+=($!)
     done
@@ -84,7 +84,7 @@ case $PHASE in
     jobs=()
     for k in 0 1 2; do
       src=${ins[$k]}.jsonl; [[ $k == 0 ]] && src=$src.gz
-      timeout $(left) python3 experiments/regen_sharegpt.py finalize --target $T --out-dir $W/f$k --inputs $src \
+      timeout $(left) python3 experiments/regen_sharegpt.py finalize --target $T --out $W/f$k --inputs $src \
         --dropped ${ins[$k]}.dropped.jsonl > $OUT/finalize$k.log 2>&1 &
       jobs+=($!)
     done

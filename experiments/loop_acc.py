@@ -2,7 +2,7 @@
 on the same held-out chats, counted over all assistant tokens, over the tokens past a loop's first
 repeat (data/loops.py) and over the rest.
 
-    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.gz --first 6752 -n 48
+    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.gz --first 6752 --holdout 48
 
 The chats are taken evenly spaced from --data after skipping the first --first records (for the shipped draft:
 the 6,752 it trained on come first in data/sharegpt_smollm2_greedy), so none was seen in
@@ -10,7 +10,7 @@ training. The held-out evaluation is train.py's own (Trainer.evaluate, same mask
 counts), run once per token subset with the loss mask narrowed to it. One JSON row goes to
 --out (default experiments/results/useful_draft/loop_acc.jsonl).
 """
-import argparse
+
 import dataclasses
 import gzip
 import json
@@ -18,8 +18,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Annotated
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,44 +47,68 @@ def loop_positions(ids: list[int], mask: list[int]) -> list[int]:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("draft", help="a serving dir, run dir or checkpoint (EAGLE-3)")
-    ap.add_argument("--data", default=str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz"))
-    ap.add_argument("--first", type=int, default=6752, help="records to skip (the draft's training data)")
-    ap.add_argument("-n", type=int, default=48, help="chats to evaluate")
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--out", default=str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl"))
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    draft: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="DRAFT")]
+    """a serving dir, run dir or checkpoint (EAGLE-3)"""
+    data: str = str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz")
+    """chats (.jsonl or .jsonl.gz)"""
+    first: int = 6752
+    """records to skip (the draft's training data)"""
+    holdout: int = 48
+    """held-out chats to evaluate"""
+    max_len: int = 1024
+    out: str = str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl")
 
-    from export import load_draft
-    from train import Trainer, TrainConfig, run_metadata
+
+def main(a: Args):
+    from export import open_draft
+    from runlog import run_metadata
+    from train import TrainConfig, Trainer
 
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())
     with gzip.open(a.data, "rt") if a.data.endswith(".gz") else open(a.data) as f:
         rest = [line for i, line in enumerate(f) if i >= a.first]
     # evenly spaced: regenerated files are in finishing order, short replies first within each window
-    # (a third more than -n: some chats have nothing trainable within --max-len)
-    m = a.n * 4 // 3 + 1
+    # (a third more than --holdout: some chats have nothing trainable within --max-len)
+    m = a.holdout * 4 // 3 + 1
     rows = [rest[i * len(rest) // m] for i in range(m)]
     (tmp / "chats.jsonl").write_text("".join(rows))
     # train.py builds the target, tokenizes and holds the chats out exactly as in training; the rest
     # form the "training" split (it only sets the draft vocabulary, which the loaded draft replaces)
-    cfg = TrainConfig(data=str(tmp / "chats.jsonl"), num_records=0, holdout=a.n, max_len=a.max_len,
-                      out=str(tmp / "run"), device="cpu", batch_size=1, eval_batch_size=4, progress=False)
+    cfg = TrainConfig(
+        data=str(tmp / "chats.jsonl"),
+        num_records=0,
+        holdout=a.holdout,
+        max_len=a.max_len,
+        out=str(tmp / "run"),
+        device="cpu",
+        batch_size=1,
+        eval_batch_size=4,
+        progress=False,
+    )
     tr = Trainer(cfg)
-    draft, _ = load_draft(a.draft)
+    draft, _ = open_draft(a.draft)
     tr.draft = tr.draft_step = draft.to(tr.device).eval()
     full = tr.eval_set
     loops = [loop_positions(e.input_ids, e.loss_mask) for e in full]
     subsets = {
         "all": full,
         "loop": [dataclasses.replace(e, loss_mask=lp) for e, lp in zip(full, loops)],
-        "no_loop": [dataclasses.replace(e, loss_mask=[m * (1 - x) for m, x in zip(e.loss_mask, lp)]) for e, lp in zip(full, loops)],
+        "no_loop": [
+            dataclasses.replace(e, loss_mask=[m * (1 - x) for m, x in zip(e.loss_mask, lp)])
+            for e, lp in zip(full, loops)
+        ],
     }
-    row = {"what": "loop_acc", "draft": a.draft, "data": a.data, "records": f"{len(rows)} evenly spaced after the first {a.first}",
-           "held_out_chats": len(full), "max_len": a.max_len}
+    row = {
+        "what": "loop_acc",
+        "draft": a.draft,
+        "data": a.data,
+        "records": f"{len(rows)} evenly spaced after the first {a.first}",
+        "held_out_chats": len(full),
+        "max_len": a.max_len,
+    }
     n_all = sum(sum(e.loss_mask) for e in full)
     row["tokens"] = n_all
     row["loop_token_share"] = round(sum(map(sum, loops)) / max(n_all, 1), 4)
@@ -93,13 +119,16 @@ def main():
         row[name] = {k: round(v, 4) for k, v in m.items() if k.startswith("acc_")}
         print(f"[{name}] " + " ".join(f"{k}={v:.3f}" for k, v in row[name].items()), flush=True)
     meta = run_metadata(cfg, world=1, device=tr.device)
-    row.update(seconds=round(time.time() - t0), date=time.strftime("%Y-%m-%d"),
-               command="python experiments/loop_acc.py " + " ".join(sys.argv[1:]),
-               **{k: meta[k] for k in ("versions", "hardware", "git_commit") if k in meta})
+    row.update(
+        seconds=round(time.time() - t0),
+        date=time.strftime("%Y-%m-%d"),
+        command="python experiments/loop_acc.py " + " ".join(sys.argv[1:]),
+        **{k: meta[k] for k in ("versions", "hardware", "git_commit") if k in meta},
+    )
     with open(a.out, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k not in ("versions", "hardware")}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

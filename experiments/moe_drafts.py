@@ -1,5 +1,5 @@
 """MoE drafts (SpecForge paper): the EAGLE-3 draft's MLP as a mixture of experts against the dense
-draft, same data and budget; τ on MT-Bench, HumanEval and GSM8K. Settings (models/eagle3.py MoEMLP
+draft, same data and budget; τ on MT-Bench, HumanEval and GSM8K. Settings (models/moe.py MoEMLP
 states the sizes; I = the dense intermediate size, every MoE routes top-1):
 
     dense          the EAGLE-3 draft
@@ -13,6 +13,7 @@ states the sizes; I = the dense intermediate size, every MoE routes top-1):
 Rows: experiments/results/moe_drafts.csv. MoE drafts are measured from their training checkpoints
 (evaluate.py); export.py refuses them (no serving engine loads an MoE EAGLE-3 draft).
 """
+
 import sys
 from pathlib import Path
 

@@ -2,9 +2,9 @@
 producer/consumer split, each as train.py runs on random-weight targets, timed back to back.
 
     python experiments/multi_gpu.py stage                       # on the CPU machine: .stage/tok (carry it)
-    bash .device/run_on_device.sh python3 experiments/multi_gpu.py tests parity dp --out-dir $OUT
-    bash .device/run_on_device.sh python3 experiments/multi_gpu.py disagg tp --out-dir $OUT
-    python experiments/multi_gpu.py all --cpu-smoke --out-dir /tmp/mg   # tiny models, 2 gloo ranks: checks the script
+    bash .device/run_on_device.sh python3 experiments/multi_gpu.py tests parity dp --out $OUT
+    bash .device/run_on_device.sh python3 experiments/multi_gpu.py disagg tp --out $OUT
+    python experiments/multi_gpu.py all --cpu-smoke --out /tmp/mg   # tiny models, 2 gloo ranks: checks the script
 
 Phases (any subset, run in this order; `all` = every one):
   tests   pytest -m cuda tests/test_tensor_parallel.py under NCCL (TP=2 hidden states vs one rank, bf16)
@@ -25,10 +25,11 @@ tokens_per_s (real, unpadded tokens over the timed steps, train.py's own count s
 row_tokens_per_s (the rows the GPUs compute, padding included),
 peak_gib (rank 0's torch.cuda.max_memory_allocated, from run.json) and per GPU the largest memory.used
 and the mean utilization.gpu that nvidia-smi saw (sampled every second). Every phase has a timeout and
-writes its rows to --out-dir/multi_gpu_h200x2.jsonl as soon as a run ends; a killed run still gives a
-row from the steps it logged. The run logs, run.json and metrics.jsonl files go to --out-dir/PHASE/.
+writes its rows to --out/multi_gpu_h200x2.jsonl as soon as a run ends; a killed run still gives a
+row from the steps it logged. The run logs, run.json and metrics.jsonl files go to --out/PHASE/.
 """
-import argparse
+
+import dataclasses
 import datetime
 import json
 import os
@@ -41,6 +42,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,8 +60,17 @@ BF16_RTOL = 2e-2  # parity: bf16 keeps 8 mantissa bits (eps 7.8e-3); one rank al
 
 def tiny(preset: dict, hidden: int, heads: int, **kw) -> dict:
     """A small model of a preset's family; vocab 49,152 so SmolLM2's tokenizer fits."""
-    return {**preset, "vocab_size": 49152, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 4,
-            "num_attention_heads": heads, "num_key_value_heads": heads // 2, "head_dim": hidden // heads, **kw}
+    return {
+        **preset,
+        "vocab_size": 49152,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "head_dim": hidden // heads,
+        **kw,
+    }
 
 
 def target_configs(args) -> dict:
@@ -67,11 +80,17 @@ def target_configs(args) -> dict:
     llama, qwen = PRESETS["llama-3.1-8b"], PRESETS["qwen3-30b-a3b"]
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     if args.cpu_smoke:
-        return {"parity": (tiny(llama, 64, 4), "tiny-llama"), "llama8b": (tiny(llama, 64, 4), "tiny-llama"),
-                "qwen30b": (tiny(qwen, 64, 4, **moe), "tiny-qwen3-moe")}
+        return {
+            "parity": (tiny(llama, 64, 4), "tiny-llama"),
+            "llama8b": (tiny(llama, 64, 4), "tiny-llama"),
+            "qwen30b": (tiny(qwen, 64, 4, **moe), "tiny-qwen3-moe"),
+        }
     layers = args.qwen_layers or qwen["num_hidden_layers"]
-    return {"parity": (tiny(llama, 256, 4), "tiny-llama (h256, 4 layers)"), "llama8b": (dict(llama), "llama-3.1-8b (random)"),
-            "qwen30b": ({**qwen, "num_hidden_layers": layers}, f"qwen3-30b-a3b (random, {layers} of 48 layers)")}
+    return {
+        "parity": (tiny(llama, 256, 4), "tiny-llama (h256, 4 layers)"),
+        "llama8b": (dict(llama), "llama-3.1-8b (random)"),
+        "qwen30b": ({**qwen, "num_hidden_layers": layers}, f"qwen3-30b-a3b (random, {layers} of 48 layers)"),
+    }
 
 
 NEEDS = {"parity": ["parity"], "dp": ["llama8b"], "tp": ["qwen30b"], "disagg": ["llama8b"]}
@@ -80,11 +99,11 @@ NEEDS = {"parity": ["parity"], "dp": ["llama8b"], "tp": ["qwen30b"], "disagg": [
 # ------------------------------------------------------------------------------------ processes
 class Runner:
     """Launches commands with a deadline, each in its own process group (a timeout kills the whole
-    torchrun tree), logs them under --out-dir, and appends result rows."""
+    torchrun tree), logs them under --out, and appends result rows."""
 
     def __init__(self, args, env: dict):
         self.args, self.env, self.lock = args, env, threading.Lock()
-        self.out = Path(args.out_dir)
+        self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.deadline = time.time() + args.budget_s
         self.gpu = GpuMonitor() if not args.cpu_smoke else None
@@ -102,7 +121,14 @@ class Runner:
         with open(log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**self.env, **(env or {})}, start_new_session=True)
+            p = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                start_new_session=True,
+            )
             self.live.add(p)
             try:
                 rc = p.wait(timeout=max(1.0, min(deadline, self.deadline) - time.time()))
@@ -120,7 +146,11 @@ class Runner:
         return other + [f"writing {n}" for n in (self.writer.overlaps(t0, t1) if self.writer else [])]
 
     def write(self, row: dict) -> dict:
-        row = {**row, **self.env_row, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        row = {
+            **row,
+            **self.env_row,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
         with self.lock:
             self.rows.append(row)
             with open(self.out / ROWS, "a") as f:
@@ -158,9 +188,15 @@ class GpuMonitor(threading.Thread):
     def run(self):
         while not self.halt.wait(1.0):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
-                self.samples.append((time.time(), [tuple(float(x) for x in line.split(",")) for line in out.strip().splitlines()]))
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
+                self.samples.append(
+                    (time.time(), [tuple(float(x) for x in line.split(",")) for line in out.strip().splitlines()])
+                )
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
 
@@ -169,8 +205,11 @@ class GpuMonitor(threading.Thread):
         if not s:
             return {}
         n = min(len(g) for g in s)
-        return {"gpu_util_mean": [round(statistics.mean(g[i][0] for g in s), 1) for i in range(n)],
-                "gpu_mem_max_gib": [round(max(g[i][1] for g in s) / 1024, 2) for i in range(n)], "smi_samples": len(s)}
+        return {
+            "gpu_util_mean": [round(statistics.mean(g[i][0] for g in s), 1) for i in range(n)],
+            "gpu_mem_max_gib": [round(max(g[i][1] for g in s) / 1024, 2) for i in range(n)],
+            "smi_samples": len(s),
+        }
 
 
 # ------------------------------------------------------------------------------------ targets
@@ -192,7 +231,11 @@ class TargetWriter(threading.Thread):
             path = WORK / "targets" / name
             spec = WORK / "targets" / f"{name}.config.json"
             t0 = time.time()
-            if (path / "model.safetensors.index.json").exists() and spec.exists() and json.loads(spec.read_text()) == cfg:  # written earlier here
+            if (
+                (path / "model.safetensors.index.json").exists()
+                and spec.exists()
+                and json.loads(spec.read_text()) == cfg
+            ):  # written earlier here
                 self.info[name] = {"path": path, "write_s": 0.0, "reused": True}
                 self.done[name].set()
                 continue
@@ -202,8 +245,19 @@ class TargetWriter(threading.Thread):
             tmp = spec.with_suffix(".new")
             tmp.write_text(json.dumps(cfg))
             device = "cpu" if self.runner.args.cpu_smoke else "cuda"
-            cmd = [sys.executable, "tools/random_target.py", str(tmp), str(path), "--device", device, "--tokenizer", str(self.runner.args.tokenizer)]
-            rc, wall = self.runner.run(cmd, self.runner.out / "targets" / f"{name}.log", time.time() + 600, {"CUDA_VISIBLE_DEVICES": "0"})
+            cmd = [
+                sys.executable,
+                "tools/random_target.py",
+                str(tmp),
+                str(path),
+                "--device",
+                device,
+                "--tokenizer",
+                str(self.runner.args.tokenizer),
+            ]
+            rc, wall = self.runner.run(
+                cmd, self.runner.out / "targets" / f"{name}.log", time.time() + 600, {"CUDA_VISIBLE_DEVICES": "0"}
+            )
             if rc == 0:
                 tmp.rename(spec)
                 gib = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**30
@@ -225,19 +279,65 @@ class TargetWriter(threading.Thread):
 
 # ------------------------------------------------------------------------------------ train.py runs
 def train_cmd(nproc: int, flags: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        *flags,
+    ]
 
 
-def train_flags(args, target: Path, out: Path, batch: int, *, seq: int, ttt: int, steps: int, lr: float = 1e-4,
-                draft_vocab: int = 32000) -> list[str]:
+def train_flags(
+    args,
+    target: Path,
+    out: Path,
+    batch: int,
+    *,
+    seq: int,
+    ttt: int,
+    steps: int,
+    lr: float = 1e-4,
+    draft_vocab: int = 32000,
+) -> list[str]:
     """The options every timed run shares: compiled target backend, (on GPU) the compiled draft step,
     the packaged chats (enough records for `steps` global batches), no held-out evaluation (--holdout 0:
     the eager evaluation's own compiles and forwards would only cost wall time)."""
     records = max(200, 2 * steps * batch)
-    flags = ["--target", str(target), "--backend", "compiled", "--data", args.data, "--num-records", str(records),
-             "--holdout", "0", "--max-len", str(seq), "--ttt-length", str(ttt), "--batch-size", str(batch),
-             "--steps", str(steps), "--warmup", "2", "--lr", str(lr), "--draft-vocab-size", str(draft_vocab),
-             "--log-every", "1", "--no-progress", "--out", str(out), "--overwrite"]
+    flags = [
+        "--target",
+        str(target),
+        "--backend",
+        "compiled",
+        "--data",
+        args.data,
+        "--num-records",
+        str(records),
+        "--holdout",
+        "0",
+        "--max-len",
+        str(seq),
+        "--ttt-length",
+        str(ttt),
+        "--batch-size",
+        str(batch),
+        "--steps",
+        str(steps),
+        "--warmup",
+        "2",
+        "--lr",
+        str(lr),
+        "--draft-vocab-size",
+        str(draft_vocab),
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--overwrite",
+    ]
     if args.compile:
         flags.append("--compile")
     else:
@@ -266,9 +366,17 @@ def throughput(rows: list[dict], batch: int, seq: int, warmup: int) -> dict:
     row = sum(r["row_tokens_per_s"] * t for r, t in zip(timed, secs)) / sum(secs)
     start = [r["time"] for r in rows if r.get("split") == "eval" and r.get("step") == 0]
     first = {"first_step_s": round(train[0]["time"] - start[0], 1)} if start else {}
-    return {"tokens_per_s": round(real, 1), "row_tokens_per_s": round(row, 1), "step_s": round(statistics.median(secs), 4),
-            "step_s_min": round(min(secs), 4), "step_s_max": round(max(secs), 4), **first,
-            "timed_steps": len(timed), "window": (timed[0]["time"] - secs[0], timed[-1]["time"]), **losses}
+    return {
+        "tokens_per_s": round(real, 1),
+        "row_tokens_per_s": round(row, 1),
+        "step_s": round(statistics.median(secs), 4),
+        "step_s_min": round(min(secs), 4),
+        "step_s_max": round(max(secs), 4),
+        **first,
+        "timed_steps": len(timed),
+        "window": (timed[0]["time"] - secs[0], timed[-1]["time"]),
+        **losses,
+    }
 
 
 def parse(rows, batch, seq, warmup) -> dict:
@@ -279,12 +387,26 @@ def parse(rows, batch, seq, warmup) -> dict:
         return {"parse_error": repr(e)}
 
 
-def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str], deadline: float, *, batch: int, seq: int,
-              env: dict | None = None, extra: dict | None = None, cmd: list[str] | None = None) -> dict:
+def timed_run(
+    runner: Runner,
+    phase: str,
+    tag: str,
+    nproc: int,
+    flags: list[str],
+    deadline: float,
+    *,
+    batch: int,
+    seq: int,
+    env: dict | None = None,
+    extra: dict | None = None,
+    cmd: list[str] | None = None,
+) -> dict:
     """One train.py run (torchrun over nproc ranks, or `cmd`): launch, parse, copy its small files to
-    --out-dir/PHASE/TAG, write its row."""
+    --out/PHASE/TAG, write its row."""
     out = Path(flags[flags.index("--out") + 1])
-    shutil.rmtree(out, ignore_errors=True)  # an earlier run's metrics must not pass for this one's (a killed run writes none)
+    shutil.rmtree(
+        out, ignore_errors=True
+    )  # an earlier run's metrics must not pass for this one's (a killed run writes none)
     cmd = cmd or train_cmd(nproc, flags)
     t0 = time.time()
     rc, wall = runner.run(cmd, runner.out / phase / f"{tag}.log", deadline, env)
@@ -297,9 +419,20 @@ def timed_run(runner: Runner, phase: str, tag: str, nproc: int, flags: list[str]
     res = parse(rows, batch, seq, runner.args.warmup)
     window = res.pop("window", None)
     peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
-    row = {"what": phase, "run": tag, "gpus": nproc, "seq": seq, "batch": batch, "rc": rc, "wall_s": round(wall, 1),
-           "timed_out": rc is None, **res, "peak_gib": round(peak / 2**30, 2) if peak else None,
-           "command": " ".join(["python", *cmd[1:]]), **(extra or {})}
+    row = {
+        "what": phase,
+        "run": tag,
+        "gpus": nproc,
+        "seq": seq,
+        "batch": batch,
+        "rc": rc,
+        "wall_s": round(wall, 1),
+        "timed_out": rc is None,
+        **res,
+        "peak_gib": round(peak / 2**30, 2) if peak else None,
+        "command": " ".join(["python", *cmd[1:]]),
+        **(extra or {}),
+    }
     if env:
         row["command"] = " ".join(f"{k}={v}" for k, v in env.items()) + " " + row["command"]
     if runner.gpu is not None:
@@ -320,12 +453,40 @@ def tail(log: Path, n: int = 6) -> str:
 # ------------------------------------------------------------------------------------ phases
 def phase_tests(runner: Runner, deadline: float):
     log = runner.out / "tests" / "pytest.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_tensor_parallel.py", "-p", "no:cacheprovider", "-rs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "tests/test_tensor_parallel.py",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+    ]
     rc, wall = runner.run(cmd, log, deadline)
-    summary = next((l for l in reversed(log.read_text().splitlines()) if " in " in l and ("passed" in l or "failed" in l or "skipped" in l or "error" in l)), "")
-    runner.write({"what": "tests", "gpus": 2, "model": "tiny llama / qwen3 / qwen3-moe (test_tensor_parallel)", "rc": rc, "timed_out": rc is None,
-                  "summary": summary.strip("= "), "wall_s": round(wall, 1), "command": "pytest " + " ".join(cmd[3:]),
-                  "passed": rc == 0 and "skipped" not in summary})
+    summary = next(
+        (
+            l
+            for l in reversed(log.read_text().splitlines())
+            if " in " in l and ("passed" in l or "failed" in l or "skipped" in l or "error" in l)
+        ),
+        "",
+    )
+    runner.write(
+        {
+            "what": "tests",
+            "gpus": 2,
+            "model": "tiny llama / qwen3 / qwen3-moe (test_tensor_parallel)",
+            "rc": rc,
+            "timed_out": rc is None,
+            "summary": summary.strip("= "),
+            "wall_s": round(wall, 1),
+            "command": "pytest " + " ".join(cmd[3:]),
+            "passed": rc == 0 and "skipped" not in summary,
+        }
+    )
 
 
 def phase_parity(runner: Runner, deadline: float):
@@ -340,9 +501,21 @@ def phase_parity(runner: Runner, deadline: float):
     res = {}
 
     def run(n):  # both at once (1 rank on GPU 1, beside the 2 ranks): correctness only, nothing here is timed
-        flags = train_flags(args, t["path"], WORK / "runs" / f"parity{n}", batch, seq=seq, ttt=3, steps=steps, lr=1e-3, draft_vocab=8192)
-        res[n] = timed_run(runner, "parity", f"{n}gpu", n, flags, deadline, batch=batch, seq=seq,
-                           env={"CUDA_VISIBLE_DEVICES": "1"} if n == 1 else None, extra={"model": name, "ttt": 3, "concurrent": True})
+        flags = train_flags(
+            args, t["path"], WORK / "runs" / f"parity{n}", batch, seq=seq, ttt=3, steps=steps, lr=1e-3, draft_vocab=8192
+        )
+        res[n] = timed_run(
+            runner,
+            "parity",
+            f"{n}gpu",
+            n,
+            flags,
+            deadline,
+            batch=batch,
+            seq=seq,
+            env={"CUDA_VISIBLE_DEVICES": "1"} if n == 1 else None,
+            extra={"model": name, "ttt": 3, "concurrent": True},
+        )
 
     threads = [threading.Thread(target=run, args=(n,)) for n in (2, 1)]
     for th in threads:
@@ -352,27 +525,45 @@ def phase_parity(runner: Runner, deadline: float):
     a, b = res[2].get("losses"), res[1].get("losses")
     rtol = 1e-4 if args.cpu_smoke else BF16_RTOL
     if not (a and b and len(a) == len(b)):
-        return runner.write({"what": "parity_2v1", "model": name, "error": "a run did not log all its steps", "passed": False})
-    runner.write({"what": "parity_2v1", "gpus": 2, "model": name, "dtype": "fp32" if args.cpu_smoke else "bf16", "global_batch": batch,
-                  "steps": len(a), "loss_2gpu": a, "loss_1gpu": b, **loss_parity(a, b, rtol), "compile": args.compile})
+        return runner.write(
+            {"what": "parity_2v1", "model": name, "error": "a run did not log all its steps", "passed": False}
+        )
+    runner.write(
+        {
+            "what": "parity_2v1",
+            "gpus": 2,
+            "model": name,
+            "dtype": "fp32" if args.cpu_smoke else "bf16",
+            "global_batch": batch,
+            "steps": len(a),
+            "loss_2gpu": a,
+            "loss_1gpu": b,
+            **loss_parity(a, b, rtol),
+            "compile": args.compile,
+        }
+    )
 
 
 def loss_parity(two: list[float], one: list[float], rtol: float) -> dict:
     """Per-step relative loss difference of the 2-rank run against the 1-rank one; passes when every
     step is within rtol and the loss moved (a run that trains nothing would match vacuously)."""
     rel = [abs(x - y) / max(abs(y), 1e-8) for x, y in zip(two, one)]
-    return {"max_rel_diff": max(rel, default=float("inf")), "first_step_rel_diff": rel[0] if rel else None, "rtol": rtol,
-            "passed": len(two) == len(one) > 1 and max(rel) <= rtol and one[-1] != one[0]}
+    return {
+        "max_rel_diff": max(rel, default=float("inf")),
+        "first_step_rel_diff": rel[0] if rel else None,
+        "rtol": rtol,
+        "passed": len(two) == len(one) > 1 and max(rel) <= rtol and one[-1] != one[0],
+    }
 
 
 def dims(args) -> dict:
     if args.cpu_smoke:
         return {"seq": 128, "ttt": 3, "draft_vocab": 8192}
-    return {"seq": args.seq, "ttt": args.ttt, "draft_vocab": 32000}
+    return {"seq": args.max_len, "ttt": args.ttt_length, "draft_vocab": 32000}
 
 
 def phase_dp(runner: Runner, deadline: float) -> dict:
-    """2 GPUs (FSDP2 draft, the target replicated) at --batch per GPU, then 1 GPU at --batch."""
+    """2 GPUs (FSDP2 draft, the target replicated) at --batch-per-gpu per GPU, then 1 GPU at --batch-per-gpu."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("llama8b", deadline)
     if "error" in t:
@@ -380,24 +571,59 @@ def phase_dp(runner: Runner, deadline: float) -> dict:
     model = runner.configs["llama8b"][1]
     res = {}
     for n in (2, 1):
-        B = args.batch * n
-        flags = train_flags(args, t["path"], WORK / "runs" / f"dp{n}", B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"])
-        res[n] = timed_run(runner, "dp", f"{n}gpu", n, flags, deadline, batch=B, seq=d["seq"],
-                           env={"CUDA_VISIBLE_DEVICES": "0"} if n == 1 else None,
-                           extra={"model": model, "ttt": d["ttt"], "batch_per_gpu": args.batch, "target_write_s": t.get("write_s")})
+        B = args.batch_per_gpu * n
+        flags = train_flags(
+            args,
+            t["path"],
+            WORK / "runs" / f"dp{n}",
+            B,
+            seq=d["seq"],
+            ttt=d["ttt"],
+            steps=args.steps,
+            draft_vocab=d["draft_vocab"],
+        )
+        res[n] = timed_run(
+            runner,
+            "dp",
+            f"{n}gpu",
+            n,
+            flags,
+            deadline,
+            batch=B,
+            seq=d["seq"],
+            env={"CUDA_VISIBLE_DEVICES": "0"} if n == 1 else None,
+            extra={
+                "model": model,
+                "ttt": d["ttt"],
+                "batch_per_gpu": args.batch_per_gpu,
+                "target_write_s": t.get("write_s"),
+            },
+        )
     if res[1].get("tokens_per_s") and res[2].get("tokens_per_s"):
-        runner.write({"what": "dp_scaling", "gpus": 2, "model": model, "seq": d["seq"], "ttt": d["ttt"], "batch_per_gpu": args.batch,
-                      "speedup_real_tokens": round(res[2]["tokens_per_s"] / res[1]["tokens_per_s"], 3),
-                      "speedup_rows": round(res[2]["row_tokens_per_s"] / res[1]["row_tokens_per_s"], 3), "goal": 1.9,
-                      "tokens_per_s": res[2]["tokens_per_s"], "tokens_per_s_1gpu": res[1]["tokens_per_s"],
-                      "peak_gib": res[2]["peak_gib"], "peak_gib_1gpu": res[1]["peak_gib"]})
+        runner.write(
+            {
+                "what": "dp_scaling",
+                "gpus": 2,
+                "model": model,
+                "seq": d["seq"],
+                "ttt": d["ttt"],
+                "batch_per_gpu": args.batch_per_gpu,
+                "speedup_real_tokens": round(res[2]["tokens_per_s"] / res[1]["tokens_per_s"], 3),
+                "speedup_rows": round(res[2]["row_tokens_per_s"] / res[1]["row_tokens_per_s"], 3),
+                "goal": 1.9,
+                "tokens_per_s": res[2]["tokens_per_s"],
+                "tokens_per_s_1gpu": res[1]["tokens_per_s"],
+                "peak_gib": res[2]["peak_gib"],
+                "peak_gib_1gpu": res[1]["peak_gib"],
+            }
+        )
     return res
 
 
 def phase_tp(runner: Runner, deadline: float):
-    """Two GPUs two ways, each GPU training the draft on --batch sequences per step: --tp 2 (one TP group
-    runs the target on one global batch of --batch, half the weights per GPU; both ranks train the draft
-    on the same batch, FSDP2) and data parallel (a full target copy per GPU, global batch 2 x --batch).
+    """Two GPUs two ways, each GPU training the draft on --batch-per-gpu sequences per step: --tp 2 (one TP group
+    runs the target on one global batch of --batch-per-gpu, half the weights per GPU; both ranks train the draft
+    on the same batch, FSDP2) and data parallel (a full target copy per GPU, global batch 2 x --batch-per-gpu).
     The per-GPU draft shapes are the same, so the second run reuses the first's compiled draft step."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("qwen30b", deadline)
@@ -405,32 +631,78 @@ def phase_tp(runner: Runner, deadline: float):
         return runner.write({"what": "tp", "error": t["error"]})
     model = runner.configs["qwen30b"][1]
     res = {}
-    for tag, tp, B in (("tp2", ["--tp", "2"], args.batch), ("dp2", [], 2 * args.batch)):
-        flags = train_flags(args, t["path"], WORK / "runs" / f"qwen_{tag}", B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"]) + tp
-        res[tag] = timed_run(runner, "tp", tag, 2, flags, deadline, batch=B, seq=d["seq"],
-                             extra={"model": model, "ttt": d["ttt"], "tp": 2 if tp else 1, "target_write_s": t.get("write_s"),
-                                    "target_gib": t.get("gib")})
+    for tag, tp, B in (("tp2", ["--tp", "2"], args.batch_per_gpu), ("dp2", [], 2 * args.batch_per_gpu)):
+        flags = (
+            train_flags(
+                args,
+                t["path"],
+                WORK / "runs" / f"qwen_{tag}",
+                B,
+                seq=d["seq"],
+                ttt=d["ttt"],
+                steps=args.steps,
+                draft_vocab=d["draft_vocab"],
+            )
+            + tp
+        )
+        res[tag] = timed_run(
+            runner,
+            "tp",
+            tag,
+            2,
+            flags,
+            deadline,
+            batch=B,
+            seq=d["seq"],
+            extra={
+                "model": model,
+                "ttt": d["ttt"],
+                "tp": 2 if tp else 1,
+                "target_write_s": t.get("write_s"),
+                "target_gib": t.get("gib"),
+            },
+        )
     a, b = res["tp2"], res["dp2"]
     if a.get("tokens_per_s") and b.get("tokens_per_s"):
-        runner.write({"what": "tp_vs_dp", "gpus": 2, "model": model, "global_batch_tp": args.batch, "global_batch_dp": 2 * args.batch, "tokens_per_s": a["tokens_per_s"],
-                      "tokens_per_s_dp": b["tokens_per_s"], "tp_over_dp": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
-                      "peak_gib": a["peak_gib"], "peak_gib_dp": b["peak_gib"]})
+        runner.write(
+            {
+                "what": "tp_vs_dp",
+                "gpus": 2,
+                "model": model,
+                "global_batch_tp": args.batch_per_gpu,
+                "global_batch_dp": 2 * args.batch_per_gpu,
+                "tokens_per_s": a["tokens_per_s"],
+                "tokens_per_s_dp": b["tokens_per_s"],
+                "tp_over_dp": round(a["tokens_per_s"] / b["tokens_per_s"], 3),
+                "peak_gib": a["peak_gib"],
+                "peak_gib_dp": b["peak_gib"],
+            }
+        )
 
 
 def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     """Producer (train.py --role producer: HF target, bf16) on GPU 0, consumer (--role consumer: the draft
     step, compiled) on GPU 1, meeting in a control database and a feature store under /tmp. The consumer
-    trains --batch sequences per step, the draft shapes of the colocated 2-GPU DP run's ranks (its row
+    trains --batch-per-gpu sequences per step, the draft shapes of the colocated 2-GPU DP run's ranks (its row
     is taken from the dp phase, or it is run here), whose compiled step it reuses."""
     args, d = runner.args, dims(runner.args)
     t = runner.writer.get("llama8b", deadline)
     if "error" in t:
         return runner.write({"what": "disagg", "error": t["error"]})
-    model, B = runner.configs["llama8b"][1], args.batch
+    model, B = runner.configs["llama8b"][1], args.batch_per_gpu
     root = WORK / "runs" / "disagg"
     shutil.rmtree(root, ignore_errors=True)
     control, store = root / "control", root / "features"
-    flags = train_flags(args, t["path"], root / "consumer", B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"])
+    flags = train_flags(
+        args,
+        t["path"],
+        root / "consumer",
+        B,
+        seq=d["seq"],
+        ttt=d["ttt"],
+        steps=args.steps,
+        draft_vocab=d["draft_vocab"],
+    )
     flags += ["--control", str(control), "--store", str(store)] + args.disagg_args.split()
     plog = runner.out / "disagg" / "producer.log"
     plog.parent.mkdir(parents=True, exist_ok=True)
@@ -438,11 +710,28 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     with open(plog, "w") as f:
         f.write("$ " + " ".join(pcmd) + "\n")
         f.flush()
-        producer = subprocess.Popen(pcmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**runner.env, "CUDA_VISIBLE_DEVICES": "0"})
+        producer = subprocess.Popen(
+            pcmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**runner.env, "CUDA_VISIBLE_DEVICES": "0"},
+        )
     try:  # the consumer is one plain process (no torchrun): rank 0 of 1 on GPU 1
-        crow = timed_run(runner, "disagg", "consumer", 1, flags, deadline, batch=B, seq=d["seq"], env={"CUDA_VISIBLE_DEVICES": "1"},
-                         cmd=[sys.executable, "train.py", *flags, "--role", "consumer"], extra={"model": model, "ttt": d["ttt"]})
+        crow = timed_run(
+            runner,
+            "disagg",
+            "consumer",
+            1,
+            flags,
+            deadline,
+            batch=B,
+            seq=d["seq"],
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+            cmd=[sys.executable, "train.py", *flags, "--role", "consumer"],
+            extra={"model": model, "ttt": d["ttt"]},
+        )
     finally:
         try:
             producer.wait(timeout=30)  # it leaves once the run is done
@@ -456,20 +745,55 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     # back-pressure and the producer's rate, from the lines the consumer and producer print at the end
     pm = re.search(r"max in flight (\d+), producers paused (\d+) times", pipeline)
     prm = re.search(r"done: (\d+) samples in (\d+) leases, ([\d.]+) s", produced)
-    row = {"what": "disagg_1p1c", "gpus": 2, "model": model, "consumer_batch": B, "tokens_per_s": crow.get("tokens_per_s"),
-           "peak_gib": crow.get("peak_gib"), "producer_util": u[0] if len(u) > 0 else None, "consumer_util": u[1] if len(u) > 1 else None,
-           "watermarks": {"high": 4 * B, "low": 2 * B, "lease": B} if "--high-watermark" not in args.disagg_args else args.disagg_args,
-           "max_in_flight": int(pm[1]) if pm else None, "producer_pauses": int(pm[2]) if pm else None,
-           # samples over the producer's whole loop (paused time included; its target load not)
-           "producer_samples_per_s": round(int(prm[1]) / float(prm[3]), 2) if prm else None,
-           "consumer_samples_per_s": round(B / crow["step_s"], 2) if crow.get("step_s") else None,
-           "pipeline": pipeline, "producer": produced, "producer_rc": producer.returncode,
-           "command": f"CUDA_VISIBLE_DEVICES=0 python {' '.join(pcmd[1:])} & {crow['command']}"}
+    row = {
+        "what": "disagg_1p1c",
+        "gpus": 2,
+        "model": model,
+        "consumer_batch": B,
+        "tokens_per_s": crow.get("tokens_per_s"),
+        "peak_gib": crow.get("peak_gib"),
+        "producer_util": u[0] if len(u) > 0 else None,
+        "consumer_util": u[1] if len(u) > 1 else None,
+        "watermarks": {"high": 4 * B, "low": 2 * B, "lease": B}
+        if "--high-watermark" not in args.disagg_args
+        else args.disagg_args,
+        "max_in_flight": int(pm[1]) if pm else None,
+        "producer_pauses": int(pm[2]) if pm else None,
+        # samples over the producer's whole loop (paused time included; its target load not)
+        "producer_samples_per_s": round(int(prm[1]) / float(prm[3]), 2) if prm else None,
+        "consumer_samples_per_s": round(B / crow["step_s"], 2) if crow.get("step_s") else None,
+        "pipeline": pipeline,
+        "producer": produced,
+        "producer_rc": producer.returncode,
+        "command": f"CUDA_VISIBLE_DEVICES=0 python {' '.join(pcmd[1:])} & {crow['command']}",
+    }
     if colocated is None or not colocated.get("tokens_per_s"):
-        cflags = train_flags(args, t["path"], WORK / "runs" / "colocated2", 2 * B, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"])
-        colocated = timed_run(runner, "disagg", "colocated2", 2, cflags, deadline, batch=2 * B, seq=d["seq"], extra={"model": model, "ttt": d["ttt"]})
+        cflags = train_flags(
+            args,
+            t["path"],
+            WORK / "runs" / "colocated2",
+            2 * B,
+            seq=d["seq"],
+            ttt=d["ttt"],
+            steps=args.steps,
+            draft_vocab=d["draft_vocab"],
+        )
+        colocated = timed_run(
+            runner,
+            "disagg",
+            "colocated2",
+            2,
+            cflags,
+            deadline,
+            batch=2 * B,
+            seq=d["seq"],
+            extra={"model": model, "ttt": d["ttt"]},
+        )
     if colocated.get("tokens_per_s") and row["tokens_per_s"]:
-        row.update(tokens_per_s_colocated=colocated["tokens_per_s"], disagg_over_colocated=round(row["tokens_per_s"] / colocated["tokens_per_s"], 3))
+        row.update(
+            tokens_per_s_colocated=colocated["tokens_per_s"],
+            disagg_over_colocated=round(row["tokens_per_s"] / colocated["tokens_per_s"], 3),
+        )
     runner.write(row)
 
 
@@ -487,10 +811,18 @@ def environment(args) -> dict:
     hw = hardware("cpu")  # host; the GPUs from nvidia-smi (no CUDA context in this process: it would hold GPU 0 memory)
     v = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if not args.cpu_smoke and shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True).stdout
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout
         gpus = [l.split(", ") for l in q.strip().splitlines()]
-        hw.update(gpu=gpus[0][0] if gpus else None, gpu_count=len(gpus), gpu_memory=gpus[0][1] if gpus else None,
-                  driver=gpus[0][2] if gpus else None)
+        hw.update(
+            gpu=gpus[0][0] if gpus else None,
+            gpu_count=len(gpus),
+            gpu_memory=gpus[0][1] if gpus else None,
+            driver=gpus[0][2] if gpus else None,
+        )
         try:
             n = torch.cuda.nccl.version()
             v["nccl"] = ".".join(map(str, n)) if isinstance(n, tuple) else str(n)
@@ -502,16 +834,44 @@ def environment(args) -> dict:
         except md.PackageNotFoundError:
             pass
     commit = git_commit()
-    return {"hardware": hw, "versions": v,
-            "git_commit": os.environ.get("NANOSPEC_COMMIT", commit) if commit == "unknown" else commit,
-            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",)}, "cpu_smoke": args.cpu_smoke}
+    return {
+        "hardware": hw,
+        "versions": v,
+        "git_commit": os.environ.get("NANOSPEC_COMMIT", commit) if commit == "unknown" else commit,
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",)},
+        "cpu_smoke": args.cpu_smoke,
+    }
 
 
 def short(r: dict) -> str:
-    keys = ("what", "run", "gpus", "model", "tokens_per_s", "row_tokens_per_s", "step_s", "peak_gib", "speedup_real_tokens", "speedup_rows",
-            "tp_over_dp", "disagg_over_colocated", "producer_util", "consumer_util", "max_in_flight", "producer_pauses", "max_rel_diff", "passed",
-            "fsdp8_8b_tokens_per_s", "tp4x2_qwen_tokens_per_s", "dp8_qwen_tokens_per_s", "split3p5c_8b_tokens_per_s", "summary", "rc", "error",
-            "skipped")
+    keys = (
+        "what",
+        "run",
+        "gpus",
+        "model",
+        "tokens_per_s",
+        "row_tokens_per_s",
+        "step_s",
+        "peak_gib",
+        "speedup_real_tokens",
+        "speedup_rows",
+        "tp_over_dp",
+        "disagg_over_colocated",
+        "producer_util",
+        "consumer_util",
+        "max_in_flight",
+        "producer_pauses",
+        "max_rel_diff",
+        "passed",
+        "fsdp8_8b_tokens_per_s",
+        "tp4x2_qwen_tokens_per_s",
+        "dp8_qwen_tokens_per_s",
+        "split3p5c_8b_tokens_per_s",
+        "summary",
+        "rc",
+        "error",
+        "skipped",
+    )
     return " ".join(f"{k}={r[k]}" for k in keys if r.get(k) is not None)[:600]
 
 
@@ -529,41 +889,56 @@ def stage_tokenizer(dest: Path):
     print(f"wrote {dest} ({sum(f.stat().st_size for f in dest.iterdir()) / 2**20:.1f} MiB): carry '.stage/tok'")
 
 
+@dataclasses.dataclass
+class Args:
+    phases: tyro.conf.Positional[tuple[Literal["tests", "parity", "dp", "disagg", "tp", "all", "stage"], ...]]
+    """phases to run (in the order above whatever the order given), 'all', or 'stage' (CPU machine: write .stage/tok)"""
+    out: Path | None = None
+    """rows, logs and copies of each run's metrics (the device's $OUT); required but for stage"""
+    budget_s: float = 0
+    """stop everything after this many seconds (0 = 540: a device call of 570 s, less the launcher's wheel install
+    and the kill; --cpu-smoke: 1800)"""
+    steps: int = 12
+    """optimizer steps per timed run"""
+    warmup: int = 4
+    """first steps dropped from the timing (compilation); train.py's LR warm-up is 2 steps"""
+    batch_per_gpu: int = 4
+    """sequences per GPU (8B: ~50 GiB per GPU at --max-len 4096, TTT 7); train.py --batch-size is this times the
+    data-parallel ranks"""
+    max_len: int = 4096
+    ttt_length: int = 7
+    qwen_layers: int = 24
+    """layers of the Qwen3-30B-A3B-shaped target (48 = all; per-layer shapes exact)"""
+    data: str = "sharegpt-greedy"
+    """train.py --data (the packaged chats)"""
+    compile: bool = True
+    """train.py --compile in every run (never on --cpu-smoke, where compiling takes minutes per run)"""
+    train_args: str = ""
+    """extra train.py flags for every run, one string (shell-split), e.g. --train-args='--attention flex_buf'"""
+    disagg_args: str = ""
+    """extra flags of the producer and consumer, e.g. --disagg-args='--high-watermark 16 --low-watermark 8'"""
+    tokenizer: Path = TOK
+    """tokenizer dir for the random targets"""
+    cpu_smoke: bool = False
+    """tiny models, 2 gloo ranks on CPU, fp32: checks the script end to end"""
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("phases", nargs="+", help=f"any of {', '.join(PHASES)}, 'all', or 'stage' (CPU machine: write .stage/tok)")
-    ap.add_argument("--out-dir", type=Path, default=None, help="rows, logs and copies of each run's metrics (the device's $OUT)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="stop everything after this many seconds (default 540: a device call of 570 s, less the launcher's wheel "
-                         "install and the kill; --cpu-smoke: 1800)")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per timed run")
-    ap.add_argument("--warmup", type=int, default=4, help="first steps dropped from the timing (compilation)")
-    ap.add_argument("--batch", type=int, default=4, help="sequences per GPU (8B: ~50 GiB per GPU at seq 4096, TTT 7)")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--qwen-layers", type=int, default=24, help="layers of the Qwen3-30B-A3B-shaped target (48 = all; per-layer shapes exact)")
-    ap.add_argument("--data", default="sharegpt-greedy", help="train.py --data (the packaged chats)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="train.py --compile in every run (default: on; off on --cpu-smoke, where compiling takes minutes per run)")
-    ap.add_argument("--train-args", default="", help="extra train.py flags for every run, e.g. '--attention flex_buf'")
-    ap.add_argument("--disagg-args", default="", help="extra flags of the producer and consumer, e.g. '--high-watermark 16 --low-watermark 8'")
-    ap.add_argument("--tokenizer", type=Path, default=TOK, help="tokenizer dir for the random targets (default .stage/tok)")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny models, 2 gloo ranks on CPU, fp32: checks the script end to end")
-    args = ap.parse_args(argv)
-    if args.phases == ["stage"]:
+    args = tyro.cli(Args, args=argv, description=__doc__)
+    if args.phases == ("stage",):
         return stage_tokenizer(TOK)
-    phases = list(PHASES) if args.phases == ["all"] else args.phases
-    bad = [p for p in phases if p not in PHASES]
-    if bad or args.out_dir is None:
-        ap.error(f"unknown phase(s) {bad}: choose from {', '.join(PHASES)} or all" if bad else "--out-dir is required")
-    phases = [p for p in PHASES if p in phases]
-    if args.compile is None:
-        args.compile = not args.cpu_smoke
-    if args.budget_s is None:
-        args.budget_s = 1800 if args.cpu_smoke else 540
+    if not args.phases or "stage" in args.phases:
+        raise SystemExit("name the phases to run, all, or stage alone")
+    if args.out is None:
+        raise SystemExit("--out is required")
+    phases = [p for p in PHASES if p in args.phases or "all" in args.phases]
+    args.compile = args.compile and not args.cpu_smoke
+    args.budget_s = args.budget_s or (1800 if args.cpu_smoke else 540)
     if not args.tokenizer.is_dir() and not args.cpu_smoke:
-        raise SystemExit(f"no tokenizer at {args.tokenizer}: run `python experiments/multi_gpu.py stage` on the CPU machine "
-                         "and carry '.stage/tok'")
+        raise SystemExit(
+            f"no tokenizer at {args.tokenizer}: run `python experiments/multi_gpu.py stage` on the CPU machine "
+            "and carry '.stage/tok'"
+        )
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1" if args.cpu_smoke else "8"}
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     if args.cpu_smoke and not args.tokenizer.is_dir():
@@ -612,7 +987,9 @@ def main(argv=None):
     earlier = ROOT / "experiments" / "results" / ROWS  # rows of an earlier call, if committed or copied there
     old = [json.loads(l) for l in open(earlier) if l.strip()] if earlier.exists() and not args.cpu_smoke else []
     if pred := predict_8gpu(old + runner.rows):
-        runner.write({"what": "predict_8gpu", "predicted": True, **pred, "method": predict_8gpu.__doc__.split("\n", 1)[1]})
+        runner.write(
+            {"what": "predict_8gpu", "predicted": True, **pred, "method": predict_8gpu.__doc__.split("\n", 1)[1]}
+        )
     print(f"\n[multi_gpu] done in {time.time() - t_start:.0f} s; rows in {runner.out / ROWS}:")
     for r in runner.rows:
         print("  " + short(r))
@@ -658,8 +1035,15 @@ def previous_colocated(runner: Runner, args) -> dict | None:
         return None
     d = dims(args)
     for r in reversed([json.loads(l) for l in open(f) if l.strip()]):
-        if (r.get("what") == "dp" and r.get("gpus") == 2 and r.get("tokens_per_s") and r.get("seq") == d["seq"] and r.get("ttt") == d["ttt"]
-                and r.get("batch") == 2 * args.batch and r.get("steps_logged") == args.steps):
+        if (
+            r.get("what") == "dp"
+            and r.get("gpus") == 2
+            and r.get("tokens_per_s")
+            and r.get("seq") == d["seq"]
+            and r.get("ttt") == d["ttt"]
+            and r.get("batch") == 2 * args.batch_per_gpu
+            and r.get("steps_logged") == args.steps
+        ):
             return r
     return None
 

@@ -4,14 +4,17 @@ GlobalBatches, one conversation per row (padded to the batch's longest, or to --
 so the numbers hold on any hardware. One JSON line per (max_len, batch) appended to
 experiments/results/packing_efficiency.jsonl and printed.
 
-    ./dev python experiments/packing_efficiency.py [--data sharegpt-greedy] [--num-records 0]
+    ./dev python experiments/packing_efficiency.py [--data sharegpt-greedy] [--num-records 0] [--max-len 1024 2048 4096]
 """
-import argparse
+
+import dataclasses
 import json
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,30 +36,47 @@ def epoch_efficiency(lengths: list[int], max_len: int, batch: int, seed: int = 0
         R = 1 + max(r for r, _ in where)
         n_rows += R
         rows_packed += R * max(s + n for (_, s), n in zip(where, ls))
-    return {"unpacked_longest": real / rows_longest, "unpacked_max_len": real / rows_max, "packed": real / rows_packed,
-            "rows_per_batch_packed": n_rows / batches.per_epoch}
+    return {
+        "unpacked_longest": real / rows_longest,
+        "unpacked_max_len": real / rows_max,
+        "packed": real / rows_packed,
+        "rows_per_batch_packed": n_rows / batches.per_epoch,
+    }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="sharegpt-greedy")
-    ap.add_argument("--num-records", type=int, default=0, help="0 = all")
-    ap.add_argument("--max-lens", default="1024,2048,4096")
-    ap.add_argument("--batches", default="8,32,64")
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "packing_efficiency.jsonl"))
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    data: str = "sharegpt-greedy"
+    """train.py --data"""
+    num_records: int = 0
+    """records read from the data (0 = all)"""
+    max_len: tuple[int, ...] = (1024, 2048, 4096)
+    """row lengths, one set of rows each"""
+    batch_size: tuple[int, ...] = (8, 32, 64)
+    """global batches in conversations, one row each"""
+    out: str = str(ROOT / "experiments" / "results" / "packing_efficiency.jsonl")
+
+
+def main(a: Args):
     tok = load_tokenizer(resolve_target("smollm2"))
     records = load_records(a.data, a.num_records or None)
-    for max_len in map(int, a.max_lens.split(",")):
+    for max_len in a.max_len:
         stats = Counter()
         lengths = [len(e.input_ids) for e in build_examples(records, tok, max_len, stats)]
-        for batch in map(int, a.batches.split(",")):
-            row = {"data": a.data, "conversations": len(lengths), "mean_tokens": sum(lengths) / len(lengths), "max_len": max_len,
-                   "batch": batch, **epoch_efficiency(lengths, max_len, batch), "date": time.strftime("%Y-%m-%d")}
+        for batch in a.batch_size:
+            row = {
+                "data": a.data,
+                "conversations": len(lengths),
+                "mean_tokens": sum(lengths) / len(lengths),
+                "max_len": max_len,
+                "batch": batch,
+                **epoch_efficiency(lengths, max_len, batch),
+                "date": time.strftime("%Y-%m-%d"),
+            }
             print(json.dumps(row), flush=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

@@ -11,6 +11,7 @@ throughput_h200.jsonl -> backends_h200.png (experiments/throughput.py's figure: 
 A CSV holding rows of several scales is plotted at the scale of its last row (the others are
 counted in the title).
 """
+
 import csv
 import json
 import sys
@@ -54,9 +55,13 @@ def subtitle(rows: list[dict], others: int) -> str:
     hw = json.loads(r["hardware"])
     s = json.loads(r["scale"])
     v = json.loads(r["versions"])
-    return (f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; {s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
-            f"chain K={s['eval_k']}, {s['num_prompts']} prompts/benchmark, {len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
-            + (f" ({others} rows of other scales not shown)" if others else ""))
+    return (
+        f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; "
+        f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
+        f"chain K={s['eval_k']}, {s['num_prompts']} prompts/benchmark, "
+        f"{len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
+        + (f" ({others} rows of other scales not shown)" if others else "")
+    )
 
 
 def spread_line(ax, xs, per_x: list[list[float]], color, label):
@@ -94,14 +99,25 @@ def plot_ttt(path: Path, figures: Path) -> list[Path]:
         recs = [json.loads(line) for line in open(cost)]
         pts = sorted((r["ttt"], r["ms"], r["peak_gib"]) for r in recs if r.get("ms"))
         cxs = [p[0] for p in pts]
-        panels = (([[p[1]] for p in pts], "draft step fwd+bwd+AdamW (ms)"), ([[p[2]] for p in pts], "draft step peak memory (GiB)"))
+        panels = (
+            ([[p[1]] for p in pts], "draft step fwd+bwd+AdamW (ms)"),
+            ([[p[2]] for p in pts], "draft step peak memory (GiB)"),
+        )
         r0 = recs[0]
-        title = (f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, draft vocab {r0['vocab']}, "
-                 f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}")
+        title = (
+            f"Training cost vs TTT length: SmolLM2's EAGLE-3 draft, {r0['batch']} x {r0['seq']} tokens, "
+            f"draft vocab {r0['vocab']}, "
+            f"{r0['impl']}, {r0['dtype']}\n{r0['device']}, torch {r0['torch']}, one step alone (median); {r0['date']}"
+        )
     else:
         cxs = xs
-        panels = tuple(([by_setting(rows, col)[s] for s in settings], label) for col, label in (
-            ("train_seconds", "training time (s)"), ("peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})")))
+        panels = tuple(
+            ([by_setting(rows, col)[s] for s in settings], label)
+            for col, label in (
+                ("train_seconds", "training time (s)"),
+                ("peak_memory_gib", f"peak memory (GiB, {rows[-1]['peak_memory_kind']})"),
+            )
+        )
         title = "Training cost vs TTT length\n" + subtitle(rows, others)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, (per_x, label) in zip(axes, panels):
@@ -135,8 +151,17 @@ def plot_bars(path: Path, figures: Path, name: str, title: str, order: list[str]
                 continue
             x = j + (i - (len(settings) - 1) / 2) * width
             m = sum(v) / len(v)
-            ax.bar(x, m, width, color=cmap(i % 10), label=s if j == 0 else None, yerr=[[m - min(v)], [max(v) - m]], capsize=2,
-                   edgecolor="black", linewidth=0.4)
+            ax.bar(
+                x,
+                m,
+                width,
+                color=cmap(i % 10),
+                label=s if j == 0 else None,
+                yerr=[[m - min(v)], [max(v) - m]],
+                capsize=2,
+                edgecolor="black",
+                linewidth=0.4,
+            )
             ax.scatter([x] * len(v), v, color="black", s=6, zorder=3)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel("τ (tokens / target forward)")
@@ -167,10 +192,21 @@ def main(a: PlotArgs) -> list[Path]:
     if (results / "moe_drafts.csv").exists():
         from experiments.moe_drafts import SETTINGS
 
-        made += plot_bars(results / "moe_drafts.csv", figures, "moe_tau.png", "MoE draft MLPs vs the dense EAGLE-3 draft", [s for s, _ in SETTINGS])
+        made += plot_bars(
+            results / "moe_drafts.csv",
+            figures,
+            "moe_tau.png",
+            "MoE draft MLPs vs the dense EAGLE-3 draft",
+            [s for s, _ in SETTINGS],
+        )
     if (results / "data_regen.csv").exists():
-        made += plot_bars(results / "data_regen.csv", figures, "regen_tau.png", "Training data: ShareGPT's answers vs the target's own",
-                          ["original", "regenerated"])
+        made += plot_bars(
+            results / "data_regen.csv",
+            figures,
+            "regen_tau.png",
+            "Training data: ShareGPT's answers vs the target's own",
+            ["original", "regenerated"],
+        )
     if (results / "throughput_h200.jsonl").exists():
         from experiments.throughput import plot as plot_backends
 

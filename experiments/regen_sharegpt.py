@@ -4,8 +4,8 @@ stops cleanly at --time-limit, and the next call resumes from what the last one 
 
     # once, here on the CPU: the prompt subset the GPU calls read (~3 MB, carried)
     ./dev python experiments/regen_sharegpt.py prepare --state .stage/regen
-    # each GPU call (carry .stage/regen; the results come back from --out-dir)
-    python3 experiments/regen_sharegpt.py run --state .stage/regen --out-dir $OUT \\
+    # each GPU call (carry .stage/regen; the results come back from --out)
+    python3 experiments/regen_sharegpt.py run --state .stage/regen --out $OUT \\
         --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --time-limit 480
     # between calls: copy the returned regen.jsonl.gz, regen.dropped.jsonl, regen.provenance.json
     # into .stage/regen/ so the next call skips what is done
@@ -17,10 +17,11 @@ makes a 135M model loop), 384 conversations per batch, bf16 on the GPU. Expected
 14k turns, ~7.5 MB gzipped (measured with ShareGPT's own answers cut at 2000 chars as a
 stand-in); a guard stops the run once the JSONL passes 36 MB (~9.5 MB gzipped at the measured
 3.8x) so the result stays under 10 MB whatever the answer lengths. Time: unknown until the first
-call prints tok/s; HF generate at ~15-35 ms a step puts it at 6-18 minutes. Needs no tyro or
-datasets on the GPU box; `gguf` for the GGUF target.
+call prints tok/s; HF generate at ~15-35 ms a step puts it at 6-18 minutes. Needs no `datasets`
+on the GPU box; `gguf` for the GGUF target.
 """
-import argparse
+
+import dataclasses
 import gzip
 import itertools
 import json
@@ -31,19 +32,43 @@ import tempfile
 import time
 from pathlib import Path
 
+import tyro
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # v1 (data/sharegpt_smollm2_regen, 2026-11-29): HF generate, sampled, 3,390 chats in 13 GPU minutes
-PRESET_V1 = dict(num_records=8000, max_turns=2, max_new_tokens=512, max_prompt_len=2048, temperature=0.8,
-                 top_p=0.95, seed=0, batch_size=384, max_output_mb=36, engine="hf")
+PRESET_V1 = dict(
+    num_records=8000,
+    max_turns=2,
+    max_new_tokens=512,
+    max_prompt_len=2048,
+    temperature=0.8,
+    top_p=0.95,
+    seed=0,
+    batch_size=384,
+    max_output_mb=36,
+    engine="hf",
+)
 # v2 (data/sharegpt_smollm2_greedy): every packaged chat, 3 replies each, greedy (the decoding the
 # draft is evaluated and served under; see data/sharegpt_smollm2_greedy/README.md for the choice),
 # continuous batching (models/generate.py). The output guard keeps the gzipped file under ~25 MB.
-PRESET = dict(num_records=0, max_turns=3, max_new_tokens=512, max_prompt_len=1536, temperature=0.0,
-              top_p=1.0, seed=0, batch_size=384, max_output_mb=90, engine="slots", slots=512)
-SMOKE = dict(num_records=6, max_turns=2, max_new_tokens=12, max_prompt_len=512, temperature=0.8,
-             top_p=0.95, seed=0, batch_size=2)
+PRESET = dict(
+    num_records=0,
+    max_turns=3,
+    max_new_tokens=512,
+    max_prompt_len=1536,
+    temperature=0.0,
+    top_p=1.0,
+    seed=0,
+    batch_size=384,
+    max_output_mb=90,
+    engine="slots",
+    slots=512,
+)
+SMOKE = dict(
+    num_records=6, max_turns=2, max_new_tokens=12, max_prompt_len=512, temperature=0.8, top_p=0.95, seed=0, batch_size=2
+)
 FILES = ("regen.jsonl.gz", "regen.dropped.jsonl", "regen.provenance.json")
 
 
@@ -76,8 +101,13 @@ def run(state: Path, out_dir: Path, target: str, time_limit: float, settings: di
     if not work.exists() and (state / FILES[0]).exists():  # a fresh machine: resume from the last call's output
         with gzip.open(state / FILES[0], "rb") as src, open(work, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    cfg = RegenConfig(target=target, data=str(state / "prompts.jsonl.gz"), out=str(work), time_limit=time_limit,
-                      **{**settings, "num_records": num_records or settings["num_records"]})
+    cfg = RegenConfig(
+        target=target,
+        data=str(state / "prompts.jsonl.gz"),
+        out=str(work),
+        time_limit=time_limit,
+        **{**settings, "num_records": num_records or settings["num_records"]},
+    )
     doc = regenerate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (FILES[0] + ".tmp")
@@ -101,22 +131,38 @@ def bench(state: Path, out_dir: Path, target: str, n: int, settings: dict) -> li
     from experiments.data_regen import reply_stats
 
     base = {**settings, "max_turns": 1, "num_records": n}
-    runs = [("hf_greedy", {"engine": "hf", "batch_size": 128}), ("slots_greedy", {"engine": "slots"}),
-            ("slots_t0.8", {"engine": "slots", "temperature": 0.8, "top_p": 0.95})]
+    runs = [
+        ("hf_greedy", {"engine": "hf", "batch_size": 128}),
+        ("slots_greedy", {"engine": "slots"}),
+        ("slots_t0.8", {"engine": "slots", "temperature": 0.8, "top_p": 0.95}),
+    ]
     rows, texts = [], {}
     for name, over in runs:
         out = out_dir / "bench" / f"{name}.jsonl"
         out.parent.mkdir(parents=True, exist_ok=True)
         for f in out.parent.glob(f"{name}.*"):
             f.unlink()
-        doc = regenerate(RegenConfig(target=target, data=str(state / "prompts.jsonl.gz"), out=str(out), **{**base, **over}))
+        doc = regenerate(
+            RegenConfig(target=target, data=str(state / "prompts.jsonl.gz"), out=str(out), **{**base, **over})
+        )
         run = doc["runs"][-1]
         recs = [json.loads(line) for line in open(out)]
         texts[name] = {r["id"]: r["messages"][-1]["content"] for r in recs}
-        rows.append({"what": "regen_bench", "setting": name, "conversations": n, "new_tokens": doc["counts"]["new_tokens"],
-                     "seconds": run["generate_seconds"], "tokens_per_s": round(doc["counts"]["new_tokens"] / run["generate_seconds"]),
-                     **reply_stats(out), "hardware": run["hardware"], "versions": run["versions"], "git_commit": run["git_commit"],
-                     "date": time.strftime("%Y-%m-%d")})
+        rows.append(
+            {
+                "what": "regen_bench",
+                "setting": name,
+                "conversations": n,
+                "new_tokens": doc["counts"]["new_tokens"],
+                "seconds": run["generate_seconds"],
+                "tokens_per_s": round(doc["counts"]["new_tokens"] / run["generate_seconds"]),
+                **reply_stats(out),
+                "hardware": run["hardware"],
+                "versions": run["versions"],
+                "git_commit": run["git_commit"],
+                "date": time.strftime("%Y-%m-%d"),
+            }
+        )
     a, b = texts["hf_greedy"], texts["slots_greedy"]
     rows[1]["same_reply_as_hf"] = round(sum(a[k] == b.get(k) for k in a) / max(len(a), 1), 3)
     rows[1]["speedup_vs_hf"] = round(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
@@ -143,10 +189,14 @@ def finalize(inputs: list[Path], dropped: list[Path], out_dir: Path, target: str
     tok = AutoTokenizer.from_pretrained(resolve_target(target))
     out_dir.mkdir(parents=True, exist_ok=True)
     seen, stats = set(), dict(conversations=0, replies=0, tokens=0, replies_cut=0, kept_tokens=0)
-    raw, cut = gzip.open(out_dir / "regen.jsonl.gz.tmp", "wt", encoding="utf-8"), gzip.open(out_dir / "deloop.jsonl.gz.tmp", "wt", encoding="utf-8")
+    raw, cut = (
+        gzip.open(out_dir / "regen.jsonl.gz.tmp", "wt", encoding="utf-8"),
+        gzip.open(out_dir / "deloop.jsonl.gz.tmp", "wt", encoding="utf-8"),
+    )
+
     def records():
         for path in inputs:
-            with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+            with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as f:
                 for line in f:
                     r = json.loads(line)
                     if r["id"] in seen:
@@ -219,33 +269,77 @@ def smoke():
         c = doc["counts"]
         assert len(ids) == len(set(ids)) == c["written"] and c["written"] + c["dropped"] == 6 and c["remaining"] == 0, c
         assert len(doc["runs"]) == 2 and doc["runs"][1]["done_before"] == 3
-        print(f"[smoke] ok: {c['written']} written, {c['dropped']} dropped, {c['new_tokens']} new tokens in "
-              f"{time.time() - t0:.0f} s (CPU)", flush=True)
+        print(
+            f"[smoke] ok: {c['written']} written, {c['dropped']} dropped, {c['new_tokens']} new tokens in "
+            f"{time.time() - t0:.0f} s (CPU)",
+            flush=True,
+        )
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=["prepare", "run", "bench", "finalize", "smoke"])
-    ap.add_argument("--inputs", type=Path, nargs="*", default=[], help="finalize: regenerated JSONL(.gz) files to merge")
-    ap.add_argument("--dropped", type=Path, nargs="*", default=[], help="finalize: their regen.dropped.jsonl files")
-    ap.add_argument("--bench-n", type=int, default=512, help="bench: conversations")
-    ap.add_argument("--state", type=Path, default=ROOT / ".stage" / "regen")
-    ap.add_argument("--out-dir", type=Path, default=None, help="where the results go (default: --state)")
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--time-limit", type=float, default=480, help="seconds for this call, model loading included")
-    ap.add_argument("--batch-size", type=int, default=PRESET["batch_size"])
-    args = ap.parse_args()
-    if args.cmd == "prepare":
-        prepare(args.state, PRESET["num_records"], PRESET["max_turns"])
-    elif args.cmd == "run":
-        run(args.state, args.out_dir or args.state, args.target, args.time_limit, {**PRESET, "batch_size": args.batch_size})
-    elif args.cmd == "finalize":
-        finalize(args.inputs, args.dropped, args.out_dir or args.state, args.target)
-    elif args.cmd == "bench":
-        bench(args.state, args.out_dir or args.state, args.target, args.bench_n, PRESET)
+@dataclasses.dataclass
+class Prepare:
+    """Write the prompt subset the GPU calls read (CPU; PRESET's records and turns)."""
+
+    state: Path = ROOT / ".stage" / "regen"
+    """the carried state: prompts.jsonl.gz, and the returned files of earlier calls"""
+
+
+@dataclasses.dataclass
+class Output(Prepare):
+    out: Path | None = None
+    """where the results go (default: --state)"""
+    target: str = "smollm2"
+    """the regenerating model: HF dir, .gguf file, or 'smollm2' (packaged)"""
+
+
+@dataclasses.dataclass
+class Run(Output):
+    """One time-bounded, resumable regeneration call (GPU)."""
+
+    time_limit: float = 480
+    """seconds for this call, model loading included"""
+    batch_size: int = PRESET["batch_size"]
+    """conversations per batch"""
+
+
+@dataclasses.dataclass
+class Bench(Output):
+    """The hf and slots engines side by side on the first --num-records conversations."""
+
+    num_records: int = 512
+
+
+@dataclasses.dataclass
+class Finalize(Output):
+    """Merge regenerated shards into regen.jsonl.gz (+ the loop-cut deloop.jsonl.gz)."""
+
+    inputs: tuple[Path, ...] = ()
+    """regenerated JSONL(.gz) files to merge, in order"""
+    dropped: tuple[Path, ...] = ()
+    """their regen.dropped.jsonl files"""
+
+
+@dataclasses.dataclass
+class Smoke:
+    """CPU: prepare + two resumed calls, tiny."""
+
+
+def main(cmd: Prepare | Smoke):
+    if isinstance(cmd, Run):
+        run(cmd.state, cmd.out or cmd.state, cmd.target, cmd.time_limit, {**PRESET, "batch_size": cmd.batch_size})
+    elif isinstance(cmd, Finalize):
+        finalize(list(cmd.inputs), list(cmd.dropped), cmd.out or cmd.state, cmd.target)
+    elif isinstance(cmd, Bench):
+        bench(cmd.state, cmd.out or cmd.state, cmd.target, cmd.num_records, PRESET)
+    elif isinstance(cmd, Prepare):
+        prepare(cmd.state, PRESET["num_records"], PRESET["max_turns"])
     else:
         smoke()
 
 
 if __name__ == "__main__":
-    main()
+    main(
+        tyro.extras.subcommand_cli_from_dict(
+            {"prepare": Prepare, "run": Run, "bench": Bench, "finalize": Finalize, "smoke": Smoke}, description=__doc__
+        )
+    )

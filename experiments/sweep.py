@@ -18,6 +18,7 @@ conversations per batch) start once no training runs, at most --eval-parallel at
 --smoke: the tiny version for CI (2 steps, 1 setting, 1 seed, 1 prompt of 8 tokens, a CSV in a
 temporary directory unless --csv says otherwise).
 """
+
 import csv
 import dataclasses
 import json
@@ -34,9 +35,28 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 BENCHMARKS = ("mtbench", "humaneval", "gsm8k")
 COLUMNS = [
-    "study", "setting", "seed", *(f"tau_{b}" for b in BENCHMARKS), "tau_mean", "eval_k", "acc_0_heldout",
-    "train_seconds", "parallel", "eval_seconds", "peak_memory_gib", "peak_memory_kind", "draft_params_m", "scale",
-    "config", "git_commit", "hardware", "versions", "date", "train_cmd", "eval_cmd", "run_dir",
+    "study",
+    "setting",
+    "seed",
+    *(f"tau_{b}" for b in BENCHMARKS),
+    "tau_mean",
+    "eval_k",
+    "acc_0_heldout",
+    "train_seconds",
+    "parallel",
+    "eval_seconds",
+    "peak_memory_gib",
+    "peak_memory_kind",
+    "draft_params_m",
+    "scale",
+    "config",
+    "git_commit",
+    "hardware",
+    "versions",
+    "date",
+    "train_cmd",
+    "eval_cmd",
+    "run_dir",
 ]
 
 
@@ -97,17 +117,43 @@ class SweepArgs:
 
     def scale(self) -> dict:
         """What makes two rows comparable (part of the skip key)."""
-        keys = ("target", "num_records", "steps", "batch_size", "max_len", "lr", "holdout", "draft_vocab_size", "num_prompts",
-                "max_new_tokens", "eval_k", "eval_device", "eval_batch", "train_args")
+        keys = (
+            "target",
+            "num_records",
+            "steps",
+            "batch_size",
+            "max_len",
+            "lr",
+            "holdout",
+            "draft_vocab_size",
+            "num_prompts",
+            "max_new_tokens",
+            "eval_k",
+            "eval_device",
+            "eval_batch",
+            "train_args",
+        )
         return {k: getattr(self, k) for k in keys}
 
 
 def smoke_args(a: SweepArgs, study: str) -> SweepArgs:
     tmp = Path(tempfile.mkdtemp(prefix=f"nanospec-{study}-smoke-"))
     return dataclasses.replace(
-        a, seeds=a.seeds[:1], num_records=a.num_records or 40, steps=2, batch_size=2, max_len=64, holdout=4, draft_vocab_size=512,
-        num_prompts=1, max_new_tokens=8, eval_k=min(a.eval_k, 3), overlap_eval=False, budget_minutes=0,
-        csv=a.csv or str(tmp / f"{study}.csv"), runs_dir=a.runs_dir if a.runs_dir != SweepArgs.runs_dir else str(tmp / "runs"),
+        a,
+        seeds=a.seeds[:1],
+        num_records=a.num_records or 40,
+        steps=2,
+        batch_size=2,
+        max_len=64,
+        holdout=4,
+        draft_vocab_size=512,
+        num_prompts=1,
+        max_new_tokens=8,
+        eval_k=min(a.eval_k, 3),
+        overlap_eval=False,
+        budget_minutes=0,
+        csv=a.csv or str(tmp / f"{study}.csv"),
+        runs_dir=a.runs_dir if a.runs_dir != SweepArgs.runs_dir else str(tmp / "runs"),
     )
 
 
@@ -164,40 +210,101 @@ class Sweep:
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
         a = self.a
-        cmd = [sys.executable, "train.py", "--strategy", "eagle3", "--target", a.target, "--data", a.data,
-               "--num-records", str(a.num_records), "--max-len", str(a.max_len), "--batch-size", str(a.batch_size),
-               "--steps", str(a.steps), "--lr", str(a.lr), "--holdout", str(a.holdout), "--draft-vocab-size", str(a.draft_vocab_size),
-               "--ttt-length", str(a.ttt_length), "--seed", str(seed), "--device", a.device, "--out", str(run), "--no-progress",
-               "--overwrite", *shlex.split(a.train_args), *setting_args]  # an unfinished run (no eval_end) starts again
+        cmd = [
+            sys.executable,
+            "train.py",
+            "--strategy",
+            "eagle3",
+            "--target",
+            a.target,
+            "--data",
+            a.data,
+            "--num-records",
+            str(a.num_records),
+            "--max-len",
+            str(a.max_len),
+            "--batch-size",
+            str(a.batch_size),
+            "--steps",
+            str(a.steps),
+            "--lr",
+            str(a.lr),
+            "--holdout",
+            str(a.holdout),
+            "--draft-vocab-size",
+            str(a.draft_vocab_size),
+            "--ttt-length",
+            str(a.ttt_length),
+            "--seed",
+            str(seed),
+            "--device",
+            a.device,
+            "--out",
+            str(run),
+            "--no-progress",
+            "--overwrite",
+            *shlex.split(a.train_args),
+            *setting_args,
+        ]  # an unfinished run (no eval_end) starts again
         return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
 
     def eval_cmd(self, run: Path) -> list[str]:
         a = self.a
-        return [sys.executable, "evaluate.py", str(run), "--target", a.target, "--num-prompts", str(a.num_prompts),
-                "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.eval_k), "--threads", str(self.eval_threads), "--device", a.eval_device,
-                "--batch", str(a.eval_batch), "--resume-file", str(run / "eval_partial.json")]  # a cut-off evaluation keeps its finished benchmarks
+        return [
+            sys.executable,
+            "evaluate.py",
+            str(run),
+            "--target",
+            a.target,
+            "--num-prompts",
+            str(a.num_prompts),
+            "--max-new-tokens",
+            str(a.max_new_tokens),
+            "-k",
+            str(a.eval_k),
+            "--threads",
+            str(self.eval_threads),
+            "--device",
+            a.eval_device,
+            "--batch",
+            str(a.eval_batch),
+            "--resume-file",
+            str(run / "eval_partial.json"),
+        ]  # a cut-off evaluation keeps its finished benchmarks
 
     def run(self) -> int:
         """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""
         a, t_start = self.a, time.time()
         done = done_keys(self.csv)
         todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
-        print(f"[{self.study}] {len(todo)} runs to do, {len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}", flush=True)
+        print(
+            f"[{self.study}] {len(todo)} runs to do, "
+            f"{len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}",
+            flush=True,
+        )
         if a.dry_run:
             for s, args, seed in todo:
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
                 print(" ".join(self.train_cmd(args, seed, run)) + "\n  " + " ".join(self.eval_cmd(run)))
             return 0
         overlap = a.overlap_eval and a.parallel == 1 and a.eval_device == "cpu" and self._gpu_training()
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel)))),
-               "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}  # less fragmentation among many
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get(
+                "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * a.parallel)))
+            ),
+            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+        }  # less fragmentation among many
         training, trained, evaluating, durations, failed = [], [], [], [], 0
         while todo or training or trained or evaluating:
             elapsed = time.time() - t_start
             mean = sum(durations) / len(durations) if durations else 0.0
             if todo and a.budget_minutes and elapsed + mean > 60 * a.budget_minutes:
-                print(f"[{self.study}] budget: {elapsed / 60:.1f} min spent, a run takes ~{mean / 60:.1f}: "
-                      f"not starting {len(todo)} runs ({', '.join(f'{s} seed {seed}' for s, _, seed in todo)})", flush=True)
+                print(
+                    f"[{self.study}] budget: {elapsed / 60:.1f} min spent, a run takes ~{mean / 60:.1f}: "
+                    f"not starting {len(todo)} runs ({', '.join(f'{s} seed {seed}' for s, _, seed in todo)})",
+                    flush=True,
+                )
                 todo = []
             while todo and len(training) < a.parallel and (overlap or not evaluating):
                 s, args, seed = todo.pop(0)
@@ -216,8 +323,12 @@ class Sweep:
                 if job["proc"] is not None:
                     job["log"].close()
                     if job["proc"].returncode != 0:
-                        print(f"[{self.study}] train {job['setting']} seed {job['seed']} FAILED (exit {job['proc'].returncode}):\n"
-                              f"{_tail(job['run'] / 'train.log')}", flush=True)
+                        print(
+                            f"[{self.study}] train {job['setting']} seed {job['seed']} "
+                            f"FAILED (exit {job['proc'].returncode}):\n"
+                            f"{_tail(job['run'] / 'train.log')}",
+                            flush=True,
+                        )
                         failed += 1
                         continue
                     durations.append(time.time() - job["t0"])
@@ -234,7 +345,10 @@ class Sweep:
                 evaluating.remove(job)
                 failed += self.finish(job["setting"], job["seed"], job["run"], job["cmd"], job["eval"])
             time.sleep(0.5)
-        print(f"[{self.study}] done in {(time.time() - t_start) / 60:.1f} min; {failed} failed; rows in {self.csv}", flush=True)
+        print(
+            f"[{self.study}] done in {(time.time() - t_start) / 60:.1f} min; {failed} failed; rows in {self.csv}",
+            flush=True,
+        )
         return 1 if failed else 0
 
     def _gpu_training(self) -> bool:
@@ -255,7 +369,10 @@ class Sweep:
         rc = proc.wait()
         log.close()
         if rc != 0:
-            print(f"[{self.study}] evaluate {setting} seed {seed} FAILED (exit {rc}):\n{_tail(run / 'eval.log')}", flush=True)
+            print(
+                f"[{self.study}] evaluate {setting} seed {seed} FAILED (exit {rc}):\n{_tail(run / 'eval.log')}",
+                flush=True,
+            )
             return 1
         res = _last_json(run / "eval.log")
         meta = json.loads((run / "run.json").read_text())
@@ -263,23 +380,41 @@ class Sweep:
         taus = {b: res["results"][b][k]["tau"] for b in BENCHMARKS if b in res["results"]}
         mem = meta.get("peak_memory", {})
         kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
-        from models.eagle3 import Eagle3Config, Eagle3Draft, param_count
+        from models.eagle3 import Eagle3Config, Eagle3Draft
+        from models.layers import param_count
 
         row = {
-            "study": self.study, "setting": setting, "seed": seed, **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
-            "tau_mean": round(sum(taus.values()) / len(taus), 4), "eval_k": self.a.eval_k,
+            "study": self.study,
+            "setting": setting,
+            "seed": seed,
+            **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
+            "tau_mean": round(sum(taus.values()) / len(taus), 4),
+            "eval_k": self.a.eval_k,
             "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
-            "train_seconds": round(meta["results"]["train_seconds"], 1), "parallel": json.loads((run / "sweep.json").read_text())["parallel"] if (run / "sweep.json").exists() else "",
+            "train_seconds": round(meta["results"]["train_seconds"], 1),
+            "parallel": json.loads((run / "sweep.json").read_text())["parallel"]
+            if (run / "sweep.json").exists()
+            else "",
             "eval_seconds": round(time.time() - t0, 1),
-            "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3), "peak_memory_kind": kind,
+            "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3),
+            "peak_memory_kind": kind,
             "draft_params_m": round(param_count(Eagle3Draft(Eagle3Config(**meta["draft"]))) / 1e6, 3),
-            "scale": self.scale, "config": json.dumps(meta["config"], sort_keys=True, default=str), "git_commit": meta["git_commit"],
-            "hardware": json.dumps(meta["hardware"]), "versions": json.dumps(meta["versions"]), "date": meta["date"],
-            "train_cmd": " ".join(train_cmd), "eval_cmd": " ".join(self.eval_cmd(run)), "run_dir": str(run),
+            "scale": self.scale,
+            "config": json.dumps(meta["config"], sort_keys=True, default=str),
+            "git_commit": meta["git_commit"],
+            "hardware": json.dumps(meta["hardware"]),
+            "versions": json.dumps(meta["versions"]),
+            "date": meta["date"],
+            "train_cmd": " ".join(train_cmd),
+            "eval_cmd": " ".join(self.eval_cmd(run)),
+            "run_dir": str(run),
         }
         append_row(self.csv, row)
-        print(f"[{self.study}] {setting} seed {seed}: tau {json.dumps({b: row[f'tau_{b}'] for b in taus})}, "
-              f"train {row['train_seconds']:.0f}s, peak {row['peak_memory_gib']:.2f} GiB", flush=True)
+        print(
+            f"[{self.study}] {setting} seed {seed}: tau {json.dumps({b: row[f'tau_{b}'] for b in taus})}, "
+            f"train {row['train_seconds']:.0f}s, peak {row['peak_memory_gib']:.2f} GiB",
+            flush=True,
+        )
         return 0
 
 

@@ -6,6 +6,7 @@ same data and budget; τ on MT-Bench, HumanEval and GSM8K, training time and pea
 
 Rows: experiments/results/ttt_scaling.csv (see experiments/sweep.py); figures: experiments/plot.py.
 """
+
 import sys
 from pathlib import Path
 

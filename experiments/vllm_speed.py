@@ -11,6 +11,7 @@ earlier). tokens/s = generated tokens / the engine's generate time (model loadin
 speed-ups are against plain decoding and n-gram lookup in the same run. Also checks that every
 speculative run's output equals plain greedy decoding token for token.
 """
+
 import json
 import sys
 import time
@@ -40,8 +41,11 @@ class Args:
 def prompts(tok, n: int) -> list[list[int]]:
     from evaluate import load_prompts, render
 
-    return [render(tok, [{"role": "user", "content": turns[0]}]) for ds in ("mtbench", "humaneval", "gsm8k")
-            for turns in load_prompts(ds, n)]
+    return [
+        render(tok, [{"role": "user", "content": turns[0]}])
+        for ds in ("mtbench", "humaneval", "gsm8k")
+        for turns in load_prompts(ds, n)
+    ]
 
 
 def main(a: Args) -> list[dict]:
@@ -51,19 +55,53 @@ def main(a: Args) -> list[dict]:
 
     target = resolve_target(a.target)
     ps = prompts(load_tokenizer(target), a.num_prompts)
-    runs = [("plain", {"draft": None}), (f"ngram-k{a.k[0]}", {"method": "ngram", "k": a.k[0],
-            "speculative_extra": {"prompt_lookup_max": a.ngram_max, "prompt_lookup_min": 1}})]
+    runs = [
+        ("plain", {"draft": None}),
+        (
+            f"ngram-k{a.k[0]}",
+            {
+                "method": "ngram",
+                "k": a.k[0],
+                "speculative_extra": {"prompt_lookup_max": a.ngram_max, "prompt_lookup_min": 1},
+            },
+        ),
+    ]
     runs += [(f"eagle3-k{k}", {"draft": a.draft, "k": k}) for k in a.k]
     rows, ref = [], None
-    common = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git_commit": git_commit(), "hardware": hardware("cpu"),
-              "versions": versions(), "prompts": len(ps), "max_new_tokens": a.max_new_tokens, "draft": a.draft}
+    common = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_commit": git_commit(),
+        "hardware": hardware("cpu"),
+        "versions": versions(),
+        "prompts": len(ps),
+        "max_new_tokens": a.max_new_tokens,
+        "draft": a.draft,
+    }
     for name, job in runs:
-        res = run_job({"target": str(target), "prompts": ps, "max_tokens": a.max_new_tokens, "dtype": "float32",
-                       "max_model_len": 4096, "batch": False, "k": 1, **job}, timeout=3600)
+        res = run_job(
+            {
+                "target": str(target),
+                "prompts": ps,
+                "max_tokens": a.max_new_tokens,
+                "dtype": "float32",
+                "max_model_len": 4096,
+                "batch": False,
+                "k": 1,
+                **job,
+            },
+            timeout=3600,
+        )
         n = sum(map(len, res["outputs"]))
         m = res["metrics"]
-        row = {"what": "vllm_speed", "run": name, "generated_tokens": n, "seconds": round(res["seconds"], 2),
-               "tokens_per_s": round(n / res["seconds"], 2), "vllm_version": res["vllm_version"], **common}
+        row = {
+            "what": "vllm_speed",
+            "run": name,
+            "generated_tokens": n,
+            "seconds": round(res["seconds"], 2),
+            "tokens_per_s": round(n / res["seconds"], 2),
+            "vllm_version": res["vllm_version"],
+            **common,
+        }
         if m["num_drafts"]:
             row["tau_proposed_steps"] = round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3)
         if ref is None:
@@ -74,7 +112,10 @@ def main(a: Args) -> list[dict]:
         print(json.dumps({k: v for k, v in row.items() if k not in ("hardware", "versions")}), flush=True)
     plain, ngram = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
     for r in rows:
-        r["speedup_vs_plain"], r["speedup_vs_ngram"] = round(r["tokens_per_s"] / plain, 3), round(r["tokens_per_s"] / ngram, 3)
+        r["speedup_vs_plain"], r["speedup_vs_ngram"] = (
+            round(r["tokens_per_s"] / plain, 3),
+            round(r["tokens_per_s"] / ngram, 3),
+        )
     print(f"{'run':<12} {'tokens/s':>9} {'vs plain':>9} {'vs n-gram':>10}")
     for r in rows:
         print(f"{r['run']:<12} {r['tokens_per_s']:>9.2f} {r['speedup_vs_plain']:>8.2f}x {r['speedup_vs_ngram']:>9.2f}x")

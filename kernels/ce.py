@@ -20,6 +20,7 @@ The target is a constant (no gradient flows to target_p). mask may be bool or fl
 On CPU the Triton kernels run only under TRITON_INTERPRET=1 (tests); otherwise a plain-torch
 path with the same contract is used, so CPU training needs no interpreter.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +28,20 @@ import triton.language as tl
 
 @triton.jit
 def _ce_fwd_kernel(
-    z_ptr, z_stride, t_ptr, t_stride, t_rows_ptr, w_ptr,  # logits rows, target rows (or labels), their row ids, weights
-    loss_ptr, lse_ptr, psum_ptr, argmax_ptr,  # outputs, one per row
-    V, HARD: tl.constexpr, T_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    z_stride,
+    t_ptr,
+    t_stride,
+    t_rows_ptr,
+    w_ptr,  # logits rows, target rows (or labels), their row ids, weights
+    loss_ptr,
+    lse_ptr,
+    psum_ptr,
+    argmax_ptr,  # outputs, one per row
+    V,
+    HARD: tl.constexpr,
+    T_ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     trow = row
@@ -78,8 +90,19 @@ def _ce_fwd_kernel(
 
 @triton.jit
 def _ce_bwd_kernel(
-    z_ptr, z_stride, t_ptr, t_stride, t_rows_ptr, w_ptr, lse_ptr, psum_ptr, g_ptr,
-    V, HARD: tl.constexpr, T_ROWS: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    z_stride,
+    t_ptr,
+    t_stride,
+    t_rows_ptr,
+    w_ptr,
+    lse_ptr,
+    psum_ptr,
+    g_ptr,
+    V,
+    HARD: tl.constexpr,
+    T_ROWS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Overwrite row z with g·w·(softmax(z)·Σp - p) (hard: p = onehot(label))."""
     row = tl.program_id(0).to(tl.int64)
@@ -127,21 +150,52 @@ def ce_forward(z: torch.Tensor, target: torch.Tensor, w: torch.Tensor, hard: boo
     argmax = torch.empty(N, device=z.device, dtype=torch.int64)
     if N > 0:
         t_stride = 0 if hard else target.stride(0)
-        _ce_fwd_kernel[(N,)](z, z.stride(0), target, t_stride, t_rows if t_rows is not None else w, w, loss, lse, psum, argmax, V,
-                             HARD=hard, T_ROWS=t_rows is not None, **_launch_cfg(V))
+        _ce_fwd_kernel[(N,)](
+            z,
+            z.stride(0),
+            target,
+            t_stride,
+            t_rows if t_rows is not None else w,
+            w,
+            loss,
+            lse,
+            psum,
+            argmax,
+            V,
+            HARD=hard,
+            T_ROWS=t_rows is not None,
+            **_launch_cfg(V),
+        )
     return loss, lse, psum, argmax
 
 
-def ce_backward_(z, target, w, lse, psum, grad_out: torch.Tensor, hard: bool, t_rows: torch.Tensor | None = None) -> torch.Tensor:
+def ce_backward_(
+    z, target, w, lse, psum, grad_out: torch.Tensor, hard: bool, t_rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """Overwrite z with dL/dz for upstream grad_out (0-d tensor); returns z. t_rows as in ce_forward."""
     N, V = z.shape
     if not _use_triton(z):
-        return _ce_backward_torch_(z, target if t_rows is None else target.index_select(0, t_rows), w, lse, psum, grad_out, hard)
+        return _ce_backward_torch_(
+            z, target if t_rows is None else target.index_select(0, t_rows), w, lse, psum, grad_out, hard
+        )
     if N > 0:
         t_stride = 0 if hard else target.stride(0)
         g = grad_out.reshape(1).to(torch.float32)
-        _ce_bwd_kernel[(N,)](z, z.stride(0), target, t_stride, t_rows if t_rows is not None else w, w, lse, psum, g, V,
-                             HARD=hard, T_ROWS=t_rows is not None, **_launch_cfg(V))
+        _ce_bwd_kernel[(N,)](
+            z,
+            z.stride(0),
+            target,
+            t_stride,
+            t_rows if t_rows is not None else w,
+            w,
+            lse,
+            psum,
+            g,
+            V,
+            HARD=hard,
+            T_ROWS=t_rows is not None,
+            **_launch_cfg(V),
+        )
     if not torch.compiler.is_compiling():  # (under compile, functionalization tracks the mutation)
         torch.autograd.graph.increment_version(z)  # raw-pointer writes do not bump it themselves
     return z

@@ -21,6 +21,7 @@ one rounding per chunk, as Liger does by default.
 The forward compacts the live rows (mask != 0) first: one host sync (nonzero) per call, so
 call it outside a fullgraph-compiled region, or accept a graph break there.
 """
+
 import torch
 
 from kernels import ce as _ce  # looked up at call time: tests reload kernels.ce under the interpreter

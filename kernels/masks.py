@@ -12,6 +12,7 @@ a [B, T] tensor is per row (the choice is made once, in Python, when the factory
 Conventions: True = may attend. A query whose row is entirely False gets a zero output from
 flex (and from `dense_attention` below); callers zero its loss weight.
 """
+
 import math
 
 import torch
@@ -122,7 +123,9 @@ def ttt_document_mask(step: int, seq_len: int, doc_ids: torch.Tensor, kv_stride:
     return and_masks(ttt_mask(step, seq_len, kv_stride=stride), same_document(doc_ids, stride))
 
 
-def dflash_mask(ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None, starts: torch.Tensor | None = None):
+def dflash_mask(
+    ctx_len: int, block_size: int, anchors: torch.Tensor, window: int | None = None, starts: torch.Tensor | None = None
+):
     """DFlash block-diffusion mask.
 
     Keys: [context (ctx_len) | block 0 (block_size) | block 1 | ... | block n-1],

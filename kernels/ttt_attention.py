@@ -23,6 +23,7 @@ Three implementations, one contract (out [B, Hq, T, D]):
                        (no per-step concatenation); --attention flex_buf. Measured on the H200
                        it peaks higher than ttt_attention_flex (see the note above the class)
 """
+
 import math
 
 import torch
@@ -80,12 +81,16 @@ def _causal_fwd(q, k, v, scale, mask=None):
     T = q.shape[2]
     if q.device.type == "cpu":
         if mask is not None:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=mask, scale=scale
+            )
             return out, lse, (mask,)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
         return out, lse, ()
     if mask is not None:  # the CUDA flash kernel takes no mask; train.py refuses lse + packing on GPU
-        raise NotImplementedError("ttt_attention_lse with document masks (packed rows) runs on CPU only; use flex on the GPU")
+        raise NotImplementedError(
+            "ttt_attention_lse with document masks (packed rows) runs on CPU only; use flex on the GPU"
+        )
     if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset = r[:8]
@@ -216,8 +221,9 @@ def _dense_to_kv_blocks(dense_BHqk: torch.Tensor):
     return num, idx
 
 
-def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK,
-                   doc_ids: torch.Tensor | None = None) -> BlockMask:
+def ttt_block_mask(
+    Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK, doc_ids: torch.Tensor | None = None
+) -> BlockMask:
     """BlockMask for ttt_mask(k, Tp, lengths) with Q_LEN = Tp, KV_LEN = (k+1) Tp, Tp % block == 0.
 
     Block (qb, kb) with step s = kb // nb, key block jb = kb % nb is full when s == 0 and
@@ -250,7 +256,10 @@ def ttt_block_mask(Tp: int, k: int, lengths: torch.Tensor | None, device, block:
         d = torch.where(d < 0, d.amax() + 1, d).view(B, nb, block)  # padding: one more, last, label
         lo, hi = d.amin(-1), d.amax(-1)  # [B, nb] first / last document of each block
         q_lo, q_hi = lo[:, None, :, None], hi[:, None, :, None]  # [B, 1, nq, 1]
-        k_lo, k_hi = lo[:, jb[0]][:, None, None], hi[:, jb[0]][:, None, None]  # [B, 1, 1, nkv] (key block of each column)
+        k_lo, k_hi = (
+            lo[:, jb[0]][:, None, None],
+            hi[:, jb[0]][:, None, None],
+        )  # [B, 1, 1, nkv] (key block of each column)
         reach = k_hi >= q_lo  # keys precede queries (jb <= qb), so they share a document iff this
         one_doc = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
         step0 = (s == 0)[None, None]
@@ -278,7 +287,9 @@ def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device) -> BlockMask:
     return _BLOCK_MASKS[key]
 
 
-def ttt_attention_flex(q, ks, vs, lengths: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None, *, compiled: bool = True):
+def ttt_attention_flex(
+    q, ks, vs, lengths: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None, *, compiled: bool = True
+):
     """Same contract as ttt_attention_eager, through one flex_attention call.
 
     lengths [B] (optional): queries at i >= lengths[b] see nothing and return 0. doc_ids [B, T]

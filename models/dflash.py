@@ -31,6 +31,7 @@ generator, its own loss mask) and moved to its place in its row; a block then se
 from its own document (dflash_mask's starts), labels past its document's end are not trained,
 and rope positions (context and block) are positions inside the document.
 """
+
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -39,7 +40,9 @@ from torch import nn
 
 from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
-from models.eagle3 import MLP, RMSNorm, apply_rope, rope_inv_freq
+from models.family import Family, Serving, block_attention, generator, pick_mask_token
+from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.proposer import Proposer, Tree
 
 OBJECTIVES = ("ce", "dpace")
 DPACE_BETA = 0.5  # smoothing of the prefix-acceptance estimate (SpecForge's default)
@@ -69,9 +72,27 @@ class DFlashConfig:
         from models.eagle3 import Eagle3Config
 
         e = Eagle3Config.from_target(tc, tc.vocab_size, aux_layers)
-        keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-                "rope_parameters", "max_position_embeddings", "vocab_size", "target_hidden_size", "aux_layers", "hidden_act")
-        return cls(**{k: getattr(e, k) for k in keep}, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id, **extra)
+        keep = (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_parameters",
+            "max_position_embeddings",
+            "vocab_size",
+            "target_hidden_size",
+            "aux_layers",
+            "hidden_act",
+        )
+        return cls(
+            **{k: getattr(e, k) for k in keep},
+            num_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            **extra,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,17 +110,13 @@ class BlockAttention(nn.Module):
         self.q_norm = RMSNorm(D, c.rms_norm_eps)
         self.k_norm = RMSNorm(D, c.rms_norm_eps)
 
-    def _heads(self, x, n):
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.head_dim).transpose(1, 2)
-
     def kv(self, x_BTH, cos, sin):
         """k (k_norm + rope), v [B, Hkv, T, D] of the context or of block tokens."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x_BTH), self.n_kv)), cos, sin)
-        return k, self._heads(self.v_proj(x_BTH), self.n_kv)
+        k = apply_rope(self.k_norm(split_heads(self.k_proj(x_BTH), self.n_kv, self.head_dim)), cos, sin)
+        return k, split_heads(self.v_proj(x_BTH), self.n_kv, self.head_dim)
 
     def q(self, x_BTH, cos, sin):
-        return apply_rope(self.q_norm(self._heads(self.q_proj(x_BTH), self.n_heads)), cos, sin)
+        return apply_rope(self.q_norm(split_heads(self.q_proj(x_BTH), self.n_heads, self.head_dim)), cos, sin)
 
 
 class DFlashLayer(nn.Module):
@@ -108,7 +125,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = BlockAttention(c)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, attend):
         """x [B, Q, H] block tokens; ctx_k/v [B, Hkv, T, D]; attend(q, k, v) over [ctx | block]."""
@@ -116,8 +133,7 @@ class DFlashLayer(nn.Module):
         h = self.input_layernorm(x)
         k, v = a.kv(h, cos, sin)
         o = attend(a.q(h, cos, sin), torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2))
-        B, _, Q, _ = o.shape
-        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        x = x + a.o_proj(merge_heads(o))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,7 +177,9 @@ def block_host(b: dict, num_anchors: int, gen_of) -> dict:
         place, n_of = [(i, 0) for i in range(R)], b["attention_mask"].sum(1).tolist()
     rows = [[] for _ in range(R)]  # per row: (anchor, document start, document end) of every block
     for i, ((r, s), L) in enumerate(zip(place, n_of)):
-        rows[r] += [(s + a, s, s + L) for a in sample_anchors(b["loss_mask"][r, s : s + L].tolist(), num_anchors, gen_of(i))]
+        rows[r] += [
+            (s + a, s, s + L) for a in sample_anchors(b["loss_mask"][r, s : s + L].tolist(), num_anchors, gen_of(i))
+        ]
     n = max(1, max(len(p) for p in rows))
     anchors, starts, ends = (torch.zeros(R, n, dtype=torch.long) for _ in range(3))
     for r, blocks in enumerate(rows):
@@ -172,9 +190,23 @@ def block_host(b: dict, num_anchors: int, gen_of) -> dict:
 
 
 @torch.no_grad()
-def make_block_batch(features, input_ids, loss_mask, attention_mask, anchors, embed_tokens, lm_head, K: int, block_size: int,
-                     mask_token_id: int, target_p: bool = False, prev_embeds: bool = False, anchor_start=None, anchor_end=None,
-                     position_ids=None) -> BlockBatch:
+def make_block_batch(
+    features,
+    input_ids,
+    loss_mask,
+    attention_mask,
+    anchors,
+    embed_tokens,
+    lm_head,
+    K: int,
+    block_size: int,
+    mask_token_id: int,
+    target_p: bool = False,
+    prev_embeds: bool = False,
+    anchor_start=None,
+    anchor_end=None,
+    position_ids=None,
+) -> BlockBatch:
     """Blocks of block_size slots at the anchors: slot 0 = the anchor token, the rest the mask
     token; positions anchor + slot. DFlash (block_size = K + 1) predicts at slots 1..K, DSpark
     (block_size = K) at slots 0..K-1: either way drafted token k is position anchor + k + 1.
@@ -198,11 +230,22 @@ def make_block_batch(features, input_ids, loss_mask, attention_mask, anchors, em
     prev = torch.cat([input_ids.gather(1, anchors)[:, :, None], labels[:, :, :-1]], -1)
     tp = None
     if target_p:  # target distribution of token p = softmax(lm_head(final_hidden[p - 1])), full vocab
-        h = features.final_hidden.gather(1, (safe - 1).clamp(min=0)[:, :, None].expand(-1, -1, features.final_hidden.shape[-1]))
+        h = features.final_hidden.gather(
+            1, (safe - 1).clamp(min=0)[:, :, None].expand(-1, -1, features.final_hidden.shape[-1])
+        )
         tp = lm_head(h).float().softmax(-1).view(B, n, K, -1)
     return BlockBatch(
-        aux_hidden=features.aux_hidden, block_embeds=embed_tokens(ids.view(B, -1)), block_pos=pos.view(B, -1), anchors=anchors,
-        anchor_start=anchor_start, ctx_pos=position_ids, labels=labels, weights=weights, prev_ids=prev, head=lm_head.weight, target_p=tp,
+        aux_hidden=features.aux_hidden,
+        block_embeds=embed_tokens(ids.view(B, -1)),
+        block_pos=pos.view(B, -1),
+        anchors=anchors,
+        anchor_start=anchor_start,
+        ctx_pos=position_ids,
+        labels=labels,
+        weights=weights,
+        prev_ids=prev,
+        head=lm_head.weight,
+        target_p=tp,
         prev_embeds=embed_tokens(prev) if prev_embeds else None,
     )
 
@@ -242,9 +285,7 @@ class DFlashDraft(nn.Module):
         return self.config.block_size - self.prediction_offset
 
     def rope(self, positions_BT, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     # ---- shared by training and inference ----
     def context(self, aux_BTX):
@@ -271,7 +312,9 @@ class DFlashDraft(nn.Module):
         ctx = self.context(batch.aux_hidden)
         ctx_pos = batch.ctx_pos if batch.ctx_pos is not None else torch.arange(T, device=ctx.device).expand(B, T)
         kv = self.context_kv(ctx, ctx_pos)
-        mask_mod = dflash_mask(T, bs, batch.anchors, starts=batch.anchor_start)  # packed: context of the block's document only
+        mask_mod = dflash_mask(
+            T, bs, batch.anchors, starts=batch.anchor_start
+        )  # packed: context of the block's document only
         if attention == "flex":  # GPU: the block mask as a FlexAttention BlockMask
             bm = create_block_mask(mask_mod, B, None, n * bs, T + n * bs, device=ctx.device)
             attend = lambda q, k, v: flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)  # noqa: E731
@@ -283,7 +326,14 @@ class DFlashDraft(nn.Module):
         return h.view(B, n, bs, -1)[:, :, off : off + self.K]
 
     # ---- training ----
-    def forward(self, batch: BlockBatch, counts: torch.Tensor, objective: str = "ce", loss_decay: float = 0.0, attention: str = "dense"):
+    def forward(
+        self,
+        batch: BlockBatch,
+        counts: torch.Tensor,
+        objective: str = "ce",
+        loss_decay: float = 0.0,
+        attention: str = "dense",
+    ):
         """counts [K, 2] (global). Returns the loss and per-slot {loss_sum: Σ nll, correct}."""
         K = self.K
         h = self.backbone(batch, attention)
@@ -294,7 +344,11 @@ class DFlashDraft(nn.Module):
         with torch.no_grad():  # per-row nll for the logs and D-PACE (the CE kernel keeps only the sum)
             nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
         if objective == "ce":
-            decay = torch.exp(-torch.arange(K, device=h.device).float() / loss_decay) if loss_decay > 0 else torch.ones(K, device=h.device)
+            decay = (
+                torch.exp(-torch.arange(K, device=h.device).float() / loss_decay)
+                if loss_decay > 0
+                else torch.ones(K, device=h.device)
+            )
             w = decay[slot]
             denom = (counts[:, 1].float() * decay).sum()
         elif objective == "dpace":
@@ -329,3 +383,103 @@ class DFlashDraft(nn.Module):
         """Greedy drafts of one block: K target token ids (one parallel forward)."""
         h = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)
         return (h @ head_VH.T.to(h.dtype)).argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class BlockProposer(Proposer):
+    """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at
+    the newest committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
+    committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
+    precompute) and extends it with the rows the target verified."""
+
+    needs_aux = True
+
+    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash"):
+        self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
+        self.name, self.depth = f"{family}-block{draft.K}", draft.K
+        self.kv, self.n_ctx = None, 0
+
+    @torch.no_grad()
+    def _catch_up(self, ids, aux):
+        N = len(ids)
+        ctx = self.draft.context(aux[None])
+        new = self.draft.context_kv(ctx, torch.arange(self.n_ctx, N - 1, device=ctx.device)[None])
+        self.kv = (
+            new
+            if self.kv is None
+            else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        )
+        self.n_ctx = N - 1
+
+    def prefill(self, ids, aux):
+        self.kv, self.n_ctx = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    def propose(self, ids) -> Tree:
+        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        return Tree(list(toks), list(range(-1, len(toks) - 1)))
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+BLOCK_OPTIONS = frozenset({"draft_layers", "num_anchors"})  # every block family (dflash, domino, dspark)
+
+
+def block_family_host(b, cfg, device, key, first=0):
+    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i))
+
+
+def block_family_batch(feats, b, target, draft, target_p=False, prev_embeds=False):
+    c = draft.config
+    packed = "doc_ids" in b  # packed rows: each block's document span, positions inside the documents
+    return make_block_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        b["attention_mask"],
+        b["anchors"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.K,
+        c.block_size,
+        c.mask_token_id,
+        target_p=target_p,
+        prev_embeds=prev_embeds,
+        anchor_start=b["anchor_start"] if packed else None,
+        anchor_end=b["anchor_end"] if packed else None,
+        position_ids=b.get("position_ids"),
+    )
+
+
+def block_proposer(draft, model, depth=None, topk=1):
+    return BlockProposer(draft, model.get_input_embeddings(), model.get_output_embeddings().weight, draft.family)
+
+
+def _build(cfg, target, counts, tokenizer):
+    c = DFlashConfig.from_target(
+        target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers
+    )
+    return DFlashDraft(c)
+
+
+def _step(module, batch, counts, cfg, b, schedule):
+    return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+
+
+FAMILY = Family(
+    name="dflash",
+    config_cls=DFlashConfig,
+    draft_cls=DFlashDraft,
+    objectives=OBJECTIVES,
+    options=BLOCK_OPTIONS | {"loss_decay"},
+    build=_build,
+    host=block_family_host,
+    make_batch=block_family_batch,
+    counts=lambda batch, draft, cfg: block_counts(batch),
+    step=_step,
+    proposer=block_proposer,
+    serving=Serving("block", ("vllm",), "dflash", architecture="DFlashDraftModel"),
+    packs=True,
+)

@@ -24,14 +24,24 @@ acc_k / loss_k in the logs are those of the final (corrected) logits: what the p
 No inference engine we can reach loads Domino drafts (vLLM 0.32 has no loader; the authors ship an
 SGLang fork), so export.py refuses them; evaluate.py drafts with them in PyTorch.
 """
+
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
-from models.dflash import BlockBatch, DFlashConfig, DFlashDraft
+from models.dflash import (
+    BLOCK_OPTIONS,
+    BlockBatch,
+    DFlashConfig,
+    DFlashDraft,
+    block_counts,
+    block_family_batch,
+    block_family_host,
+    block_proposer,
+)
+from models.family import Family, block_attention, pick_mask_token
 
 RAMP = 0.5  # fraction of training over which λ goes 0 -> 1
 
@@ -55,15 +65,25 @@ class DominoDraft(DFlashDraft):
         c = config
         # the GRU reads the target's embeddings (width = target hidden size, as in make_block_batch)
         self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_size, num_layers=1, batch_first=True)
-        self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_size, c.correction_rank), nn.SiLU(),
-                                        nn.Linear(c.correction_rank, c.vocab_size))
+        self.embed_proj = nn.Sequential(
+            nn.Linear(c.hidden_size + c.gru_size, c.correction_rank),
+            nn.SiLU(),
+            nn.Linear(c.correction_rank, c.vocab_size),
+        )
 
     def correction(self, z_NH, s_NG):
         """Logit residual [N, V] of drafted slots with backbone states z and GRU states s."""
         return self.embed_proj(torch.cat([z_NH, s_NG.to(z_NH.dtype)], -1))
 
     # ---- training ----
-    def forward(self, batch: BlockBatch, counts: torch.Tensor, progress: float = 1.0, loss_decay: float = 0.0, attention: str = "dense"):
+    def forward(
+        self,
+        batch: BlockBatch,
+        counts: torch.Tensor,
+        progress: float = 1.0,
+        loss_decay: float = 0.0,
+        attention: str = "dense",
+    ):
         """counts [K, 2] (global). Returns the curriculum loss and per-slot {loss_sum, correct} of
         the corrected logits."""
         if batch.prev_embeds is None:
@@ -78,7 +98,11 @@ class DominoDraft(DFlashDraft):
         head = batch.head.T.to(h.dtype)
         corr = self.correction(z, s.view(B, n, K, -1)[sel]) * (slot > 0)[:, None].to(h.dtype)  # none at k = 0
         labels = batch.labels[sel]
-        decay = torch.exp(-torch.arange(K, device=h.device).float() / loss_decay) if loss_decay > 0 else torch.ones(K, device=h.device)
+        decay = (
+            torch.exp(-torch.arange(K, device=h.device).float() / loss_decay)
+            if loss_decay > 0
+            else torch.ones(K, device=h.device)
+        )
         w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
         lam = curriculum(progress)
         final = z @ head + corr  # [N, V]
@@ -100,7 +124,9 @@ class DominoDraft(DFlashDraft):
         return s[0]
 
     @torch.no_grad()
-    def block_logits(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None):
+    def block_logits(
+        self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None
+    ):
         """(base, final) logits [K, V] of one block. tokens = the K drafted tokens to condition the
         head on (teacher forcing); None = greedy: each drafted token is the argmax of its final
         logits and feeds the GRU for the next one."""
@@ -122,3 +148,32 @@ class DominoDraft(DFlashDraft):
         """Greedy drafts of one block: one parallel backbone forward, then K - 1 cheap GRU steps."""
         _, final = self.block_logits(anchor_id, anchor_pos, ctx_kv, embed_tokens, head_VH)
         return final.argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):
+    c = DominoConfig.from_target(
+        target.config, target.aux_layers, cfg.ttt_length + 1, pick_mask_token(tokenizer, counts), cfg.draft_layers
+    )
+    return DominoDraft(c)
+
+
+def _step(module, batch, counts, cfg, b, schedule):  # the schedule drives the base -> corrected curriculum
+    return module(batch, counts, progress=schedule, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+
+
+FAMILY = Family(
+    name="domino",
+    config_cls=DominoConfig,
+    draft_cls=DominoDraft,
+    objectives=("ce",),
+    options=BLOCK_OPTIONS | {"loss_decay"},
+    build=_build,
+    host=block_family_host,
+    make_batch=lambda feats, b, target, draft: block_family_batch(feats, b, target, draft, prev_embeds=True),
+    counts=lambda batch, draft, cfg: block_counts(batch),
+    step=_step,
+    proposer=block_proposer,
+    serving=None,
+    packs=True,  # no engine loader (vLLM 0.32 has none)
+)

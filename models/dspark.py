@@ -25,6 +25,7 @@ Training (DeepSpec compute_dspark_loss, teacher-forced prefixes x = the data tok
   loss  = 0.1·ce + 0.9·l1 + 1.0·conf
 acc_k = argmax(logits_k) == label; greedy verification accepts while that holds.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
-from models.dflash import BlockBatch, DFlashConfig, DFlashDraft
+from models.dflash import (
+    BLOCK_OPTIONS,
+    BlockBatch,
+    BlockProposer,
+    DFlashConfig,
+    DFlashDraft,
+    block_counts,
+    block_family_batch,
+    block_family_host,
+)
+from models.family import Family, Serving, block_attention, pick_mask_token
+from models.proposer import Tree
 
 GAMMA, CE_ALPHA, L1_ALPHA, CONF_ALPHA = 4.0, 0.1, 0.9, 1.0  # DeepSpec config/dspark/dspark_qwen3_8_27b.py
 
@@ -107,7 +119,9 @@ class DSparkDraft(DFlashDraft):
 
     # ---- inference ----
     @torch.no_grad()
-    def block_logits(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None):
+    def block_logits(
+        self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH, tokens: list[int] | None = None
+    ):
         """(logits [K, V], confidence [K]) of one block: the parallel backbone, then the Markov
         head left to right. tokens = the drafted tokens to condition on; None = greedy (what vLLM's
         DSparkSpeculator does with draft_sample_method greedy)."""
@@ -125,3 +139,58 @@ class DSparkDraft(DFlashDraft):
     @torch.no_grad()
     def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
         return self.block_logits(anchor_id, anchor_pos, ctx_kv, embed_tokens, head_VH)[0].argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class DSparkProposer(BlockProposer):
+    """DSpark block drafting: the parallel backbone, then the Markov head left to right; the
+    confidence head's c_k (acceptance of drafted token k given its prefix) can cut the block
+    where the prefix survival Π_{j<=k} c_j drops below min_survival (DSpark's confidence-scheduled
+    verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K."""
+
+    def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0):
+        super().__init__(draft, embed_tokens, head_weight, "dspark")
+        if not 0.0 <= min_survival <= 1.0:
+            raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
+        self.min_survival = min_survival
+        self.confidence: list[list[float]] = []  # c_k of every proposed block
+
+    def propose(self, ids) -> Tree:
+        logits, conf = self.draft.block_logits(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        toks, survival = logits.argmax(-1).tolist(), conf.cumprod(0).tolist()
+        self.confidence.append(conf.tolist())
+        keep = len(toks) if self.min_survival <= 0 else sum(1 for s in survival if s >= self.min_survival)
+        return Tree(toks[:keep], list(range(-1, keep - 1)))
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):  # blocks of K slots: the anchor slot predicts too
+    c = DSparkConfig.from_target(
+        target.config, target.aux_layers, cfg.ttt_length, pick_mask_token(tokenizer, counts), cfg.draft_layers
+    )
+    return DSparkDraft(c)
+
+
+def _make_batch(feats, b, target, draft):
+    batch = block_family_batch(feats, b, target, draft, target_p=True)
+    batch.weights = prefix_rows(batch.weights)  # DSpark trains a slot only while its block prefix is trained
+    return batch
+
+
+FAMILY = Family(
+    name="dspark",
+    config_cls=DSparkConfig,
+    draft_cls=DSparkDraft,
+    objectives=("ce-l1-conf",),
+    options=BLOCK_OPTIONS,
+    build=_build,
+    host=block_family_host,
+    make_batch=_make_batch,
+    counts=lambda batch, draft, cfg: block_counts(batch),
+    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
+    proposer=lambda draft, model, depth, topk: DSparkProposer(
+        draft, model.get_input_embeddings(), model.get_output_embeddings().weight
+    ),
+    serving=Serving("block", ("vllm",), "dspark", architecture="Qwen3DSparkModel"),
+    packs=True,
+)

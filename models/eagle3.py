@@ -34,6 +34,7 @@ of each trained row directly:
 The batch mean is over the global batch: the α sums are all-reduced (detached), and each rank's
 share of -log(Σα/N) is written so that the ranks' gradients sum to the exact global gradient.
 """
+
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -44,6 +45,10 @@ from data.vocab import draft_to_target
 from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+from models.family import Family, Serving, with_vocab
+from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.moe import MoEMLP
+from models.proposer import Proposer, Tree
 
 # TTT attention paths (same contract, see kernels/ttt_attention.py): eager materialises the
 # [T, T] logits (reference); lse = fused causal SDPA + diagonal terms merged by log-sum-exp
@@ -54,8 +59,10 @@ from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_att
 # TTT 7; BENCHMARKS.md), so it is an option to study, not the default.
 # Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
 ATTENTION = {
-    "eager": lambda n: ttt_attention_eager, "lse": lambda n: ttt_attention_lse,
-    "flex": lambda n: ttt_attention_flex, "flex_buf": TTTFlexAttention,
+    "eager": lambda n: ttt_attention_eager,
+    "lse": lambda n: ttt_attention_lse,
+    "flex": lambda n: ttt_attention_flex,
+    "flex_buf": TTTFlexAttention,
 }
 # head + loss paths: torch = logits then log_softmax (reference); triton = logits then the
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
@@ -82,7 +89,7 @@ class Eagle3Config:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux source before fc
     norm_output: bool = False  # EAGLE-3.1: carry norm(output) to the next step
-    # MoE draft MLP (SpecForge's draft-architecture ablation; see MoEMLP). 0 experts = dense MLP
+    # MoE draft MLP (SpecForge's draft-architecture ablation; see models/moe.py). 0 experts = dense MLP
     moe_experts: int = 0
     moe_top_k: int = 1
     moe_shared: bool = False  # one always-on shared expert next to the routed ones
@@ -117,41 +124,6 @@ class Eagle3Config:
         return asdict(self)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
-    """inv_freq [D/2] and the cos/sin scaling factor, for any rope type HF knows."""
-    if cfg.rope_parameters.get("rope_type", "default") == "default":
-        D = cfg.head_dim
-        return 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2).float() / D), 1.0
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = LlamaConfig(
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(cfg.rope_parameters),
-    )
-    return ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](hf, "cpu")
-
-
-def apply_rope(x_BHTD, cos_BTD, sin_BTD):
-    half = x_BHTD.shape[-1] // 2
-    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
-    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
-
-
 class Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -163,98 +135,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
 
 
-class MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-MOE_MODES = ("flops", "params")
-
-
-def moe_expert_size(c: Eagle3Config) -> int:
-    """Intermediate size of one expert (the shared one included), from the dense size I:
-      flops   I // (top_k + shared): the experts a token runs (top_k routed + the shared one)
-              add up to I, so a token costs the dense MLP's FLOPs (+ the router); parameters
-              grow with the expert count (E=2..4 top-1: 2..4x the dense MLP's)
-      params  I // (E + shared): all experts together hold the dense MLP's parameters; a token
-              runs top_k of them (E=2 top-1: half the dense FLOPs)
-    Exact when the division is (SmolLM2: I = 1536 divides by 2, 3 and 4)."""
-    if c.moe_mode not in MOE_MODES:
-        raise ValueError(f"moe_mode must be one of {MOE_MODES}, got {c.moe_mode!r}")
-    if not 1 <= c.moe_top_k <= c.moe_experts:
-        raise ValueError(f"moe_top_k must be in [1, moe_experts={c.moe_experts}], got {c.moe_top_k}")
-    n = (c.moe_top_k if c.moe_mode == "flops" else c.moe_experts) + int(c.moe_shared)
-    return c.intermediate_size // n
-
-
-def mlp_flops_per_token(c: Eagle3Config) -> int:
-    """Forward multiply-adds x2 of the draft MLP for one token (router included)."""
-    if not c.moe_experts:
-        return 2 * 3 * c.hidden_size * c.intermediate_size
-    active = (c.moe_top_k + int(c.moe_shared)) * moe_expert_size(c)
-    return 2 * 3 * c.hidden_size * active + 2 * c.hidden_size * c.moe_experts
-
-
-class Expert(nn.Module):
-    """One SwiGLU expert (the dense MLP's shape at intermediate size `size`)."""
-
-    def __init__(self, hidden: int, size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, size, bias=False)
-        self.up_proj = nn.Linear(hidden, size, bias=False)
-        self.down_proj = nn.Linear(size, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MoEMLP(nn.Module):
-    """The draft MLP as a mixture of experts (SpecForge's MoE-draft ablation; sizes: moe_expert_size).
-
-    router: linear H -> E, softmax in fp32; each token keeps its top_k experts, weighted by their
-    softmax probabilities (not renormalised, as in Switch / DeepSeek-MoE, so top-1 routing still
-    trains the router); the shared expert (moe_shared) runs on every token with weight 1.
-    Load balance: the Switch Transformer loss E * sum_e f_e * P_e (f_e: share of the token-slot
-    assignments routed to e, P_e: mean router probability of e; 1 when balanced), left in
-    `aux_loss` after each call for the training loss to pick up (weight moe_aux_coef).
-
-    Every expert runs on every token and the unselected outputs get weight 0: no data-dependent
-    shapes, so no host syncs and nothing for torch.compile to break on. Training cost therefore
-    grows with E whatever the mode; the FLOPs of the *model* are mlp_flops_per_token."""
-
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        size = moe_expert_size(c)
-        self.top_k = c.moe_top_k
-        self.router = nn.Linear(c.hidden_size, c.moe_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(c.hidden_size, size) for _ in range(c.moe_experts))
-        self.shared_expert = Expert(c.hidden_size, size) if c.moe_shared else None
-        self.aux_loss = None
-
-    def route(self, x_NH):
-        """(gates [N, E] fp32: top-k softmax probabilities, 0 elsewhere; probs [N, E])."""
-        probs = self.router(x_NH).float().softmax(-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)
-        return torch.zeros_like(probs).scatter(-1, top_i, top_p), probs
-
-    def forward(self, x):
-        x_NH = x.reshape(-1, x.shape[-1])
-        gates, probs = self.route(x_NH)
-        E = len(self.experts)
-        f = (gates > 0).float().mean(0) / self.top_k  # [E] share of assignments
-        self.aux_loss = E * (f * probs.mean(0)).sum()
-        out = self.shared_expert(x_NH) if self.shared_expert is not None else torch.zeros_like(x_NH)
-        for e, expert in enumerate(self.experts):
-            out = out + gates[:, e : e + 1].to(x.dtype) * expert(x_NH)
-        return out.reshape(x.shape)
-
-
 class MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -262,7 +142,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
-        self.mlp = MoEMLP(c) if c.moe_experts else MLP(c)
+        self.mlp = MoEMLP(c) if c.moe_experts else MLP(c.hidden_size, c.intermediate_size)
 
 
 class Eagle3Draft(nn.Module):
@@ -297,26 +177,22 @@ class Eagle3Draft(nn.Module):
         return self.norm(out) if self.config.norm_output else out
 
     def rope(self, positions_BT: torch.Tensor, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     def qkv(self, embeds_BTH, hidden_BTH, positions_BT):
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] of one layer pass, rope applied."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         x = torch.cat([layer.input_layernorm(embeds_BTH), layer.hidden_norm(hidden_BTH)], dim=-1)
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, attn.n_kv, attn.head_dim).transpose(1, 2)
+        q = split_heads(attn.q_proj(x), attn.n_heads, attn.head_dim)
+        k = split_heads(attn.k_proj(x), attn.n_kv, attn.head_dim)
+        v = split_heads(attn.v_proj(x), attn.n_kv, attn.head_dim)
         cos, sin = self.rope(positions_BT, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_BHTD, hidden_BTH):
         """o_proj + residual + MLP block; returns the layer output (pre final norm)."""
         layer = self.midlayer
-        B, _, T, _ = attn_BHTD.shape
-        h = hidden_BTH + layer.self_attn.o_proj(attn_BHTD.transpose(1, 2).reshape(B, T, -1))
+        h = hidden_BTH + layer.self_attn.o_proj(merge_heads(attn_BHTD))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, hidden):
@@ -337,8 +213,16 @@ class Eagle3Draft(nn.Module):
         return self.finish(out, hidden_BTH), (k, v)
 
     # ---- training: the TTT unroll ----
-    def forward(self, batch: "Eagle3Batch", ttt_length: int, counts: torch.Tensor, attention: str = "eager", loss: str = "torch",
-                rows: torch.Tensor | None = None, objective: str = "kl"):
+    def forward(
+        self,
+        batch: "Eagle3Batch",
+        ttt_length: int,
+        counts: torch.Tensor,
+        attention: str = "eager",
+        loss: str = "torch",
+        rows: torch.Tensor | None = None,
+        objective: str = "kl",
+    ):
         """TTT forward (the training entry point; FSDP hooks run on it). counts [K, 2] = (acc,
         loss) row counts per step, summed over ranks by the caller so that loss_k is a mean over
         the global batch whatever the rank split. rows [K, R] (optional, from select_rows on the
@@ -350,7 +234,11 @@ class Eagle3Draft(nn.Module):
         if batch.doc_ids is not None:  # packed rows: step-0 keys of the query's own document only
             attend = _with_documents(attend, batch.doc_ids)
         B, T, _ = batch.embeds.shape
-        positions = batch.position_ids if batch.position_ids is not None else torch.arange(T, device=batch.embeds.device).expand(B, T)
+        positions = (
+            batch.position_ids
+            if batch.position_ids is not None
+            else torch.arange(T, device=batch.embeds.device).expand(B, T)
+        )
         masks = step_masks(batch, self.t2d, ttt_length) if rows is None else None
         draft_ids = self.draft_ids
         hidden = self.project(batch.aux_hidden)
@@ -378,7 +266,9 @@ class Eagle3Draft(nn.Module):
                 loss_sum, top_draft = self.head_loss(out.reshape(B * T, -1)[sel], p, weight, loss)
                 total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
             else:
-                loss_k, loss_sum, top_draft = self.lk_loss(out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective)
+                loss_k, loss_sum, top_draft = self.lk_loss(
+                    out.reshape(B * T, -1)[sel], p, weight, counts[k, 1], objective
+                )
                 total = total + (0.8**k) * loss_k
             if self.config.moe_experts:  # load balance, averaged over steps; a share per rank like the rest
                 total = total + self.config.moe_aux_coef * self.midlayer.mlp.aux_loss / (ttt_length * _world())
@@ -444,7 +334,9 @@ class Eagle3Batch:
 
 
 @torch.no_grad()
-def make_batch(features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids, doc_ids=None, position_ids=None) -> Eagle3Batch:
+def make_batch(
+    features, input_ids, loss_mask, embed_tokens, lm_head, draft_ids, doc_ids=None, position_ids=None
+) -> Eagle3Batch:
     # one sequence at a time: the [T, V] target logits (1 GiB at T = 4096, V = 128k, bf16)
     # exist once instead of B times
     B, T = input_ids.shape
@@ -507,7 +399,9 @@ def step_masks(batch: Eagle3Batch, t2d: torch.Tensor, ttt_length: int):
     return out
 
 
-def select_rows(loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+def select_rows(
+    loss_mask_BT: torch.Tensor, ttt_length: int, multiple: int = 256, doc_ids_BT: torch.Tensor | None = None
+) -> torch.Tensor:
     """[K, R] int64 flat row indices b*T + t trained at each TTT step (token t+2+k is assistant
     output, in t's document for packed rows), from the loss mask on the host, padded with -1 to
     one size R (a multiple of `multiple`, so compiled shapes repeat). Row counts shrink with k, so R fits every step."""
@@ -525,6 +419,148 @@ def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
     return torch.stack([torch.stack([a.sum(), l.sum()]) for a, l in step_masks(batch, t2d, ttt_length)])
 
 
-def param_count(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class Eagle3Proposer(Proposer):
+    """EAGLE-3 drafting with KV cache; chain when topk == 1, else a top-k-per-depth tree."""
 
+    needs_aux = True
+
+    def __init__(self, draft: Eagle3Draft, embed_tokens, depth: int, topk: int = 1):
+        if depth < 1 or topk < 1:
+            raise ValueError("need depth >= 1 and topk >= 1")
+        self.draft, self.embed, self.depth, self.topk = draft.eval(), embed_tokens, depth, topk
+        self.name = f"eagle3-chain{depth}" if topk == 1 else f"eagle3-tree{topk}x{depth}"
+        self.draft_ids = draft.draft_ids
+        self.dtype = draft.fc.weight.dtype
+        self.past, self.n_real, self.h_last = None, 0, None
+
+    def _emb(self, tokens: list[int]):
+        w = self.embed.weight
+        return self.embed(torch.tensor([tokens], device=w.device)).to(self.dtype)
+
+    @torch.no_grad()
+    def _catch_up(self, ids: list[int], aux):
+        """Feed the committed positions n_real..N-2: draft position t gets fc(aux_t) and
+        embed(ids[t+1]); aux holds the rows of exactly those positions."""
+        N = len(ids)
+        if self.past is not None:  # drop speculative entries
+            self.past = tuple(x[:, :, : self.n_real] for x in self.past)
+        pos = torch.arange(self.n_real, N - 1, device=aux.device)[None]
+        hidden = self.draft.project(aux[None].to(self.dtype))
+        out, self.past = self.draft.decode(self._emb(ids[self.n_real + 1 : N]), hidden, pos, self.past)
+        self.n_real, self.h_last = N - 1, out[:, -1:]
+
+    def prefill(self, ids, aux):
+        self.past, self.n_real = None, 0
+        self._catch_up(ids, aux)
+
+    def commit(self, ids, aux):
+        self._catch_up(ids, aux)
+
+    @torch.no_grad()
+    def propose(self, ids) -> Tree:
+        N, k, d = len(ids), self.topk, self.draft
+        tree = Tree()
+        logp = d.logits(self.h_last[0, -1]).float().log_softmax(-1)  # [Vd]
+        top = logp.topk(k)
+        frontier = [(float(s), int(t), -1, self.h_last[:, -1:]) for s, t in zip(top.values, top.indices)]
+        # (score, draft token, parent node, parent's output [1, 1, H]) -> nodes of depth 1
+        past = self.past
+        fed: list[int] = []  # draft-cache slot (after the real entries) of each fed tree node, by node index
+        anc = []  # per node: list of ancestor node indices (incl. itself)
+        for depth in range(1, self.depth + 1):
+            nodes = []
+            for score, tok, parent, h_parent in frontier:
+                tree.tokens.append(int(self.draft_ids[tok]))
+                tree.parents.append(parent)
+                anc.append((anc[parent] if parent >= 0 else []) + [len(tree) - 1])
+                nodes.append((len(tree) - 1, score, h_parent))
+            if depth == self.depth:
+                break
+            # feed this depth's nodes at draft position N-2+depth
+            T = len(nodes)
+            L = past[0].shape[2]
+            mask = torch.zeros(1, 1, T, L + T, dtype=torch.bool, device=self.h_last.device)
+            mask[..., : self.n_real] = True
+            for r, (i, _, _) in enumerate(nodes):
+                for a in anc[i][:-1]:
+                    mask[0, 0, r, self.n_real + fed[a]] = True
+                mask[0, 0, r, L + r] = True
+            emb = self._emb([tree.tokens[i] for i, _, _ in nodes])
+            hid = d.carry(torch.cat([h for _, _, h in nodes], dim=1))  # EAGLE-3.1 norm_output carries norm(h)
+            pos = torch.full((1, T), N - 2 + depth, device=emb.device)
+            out, past = d.decode(emb, hid, pos, past, mask)
+            fed.extend(range(L - self.n_real, L - self.n_real + T))
+            lp = d.logits(out[0]).float().log_softmax(-1)  # [T, Vd]
+            cand = (torch.tensor([s for _, s, _ in nodes], device=lp.device)[:, None] + lp).flatten()
+            best = cand.topk(k)
+            frontier = []
+            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
+                r, tok = divmod(flat, lp.shape[1])
+                frontier.append((s, tok, nodes[r][0], out[:, r : r + 1]))
+        return tree
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):
+    moe = {k: getattr(cfg, k) for k in MOE_OPTIONS}  # MoE draft MLP
+    c = Eagle3Config.from_target(
+        target.config, cfg.draft_vocab_size, target.aux_layers, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output, **moe
+    )
+    return with_vocab(Eagle3Draft(c), counts, cfg.draft_vocab_size)
+
+
+def _host(b, cfg, device, key, first=0):
+    if device.type == "cuda":  # host-chosen TTT rows: no nonzero() sync per step on the GPU
+        b["rows"] = select_rows(b["loss_mask"], cfg.ttt_length, doc_ids_BT=b.get("doc_ids"))
+    return b
+
+
+def _make_batch(feats, b, target, draft):
+    return make_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        b.get("doc_ids"),
+        b.get("position_ids"),
+    )
+
+
+def _step(module, batch, counts, cfg, b, schedule):
+    return module(
+        batch,
+        cfg.ttt_length,
+        counts,
+        attention=cfg.attention,
+        loss=cfg.loss,
+        rows=b.get("rows"),
+        objective=cfg.objective,
+    )
+
+
+def _proposer(draft, model, depth, topk):
+    return Eagle3Proposer(draft, model.get_input_embeddings(), depth=depth or 3, topk=topk)
+
+
+MOE_OPTIONS = ("moe_experts", "moe_top_k", "moe_shared", "moe_mode", "moe_aux_coef")
+FAMILY = Family(
+    name="eagle3",
+    config_cls=Eagle3Config,
+    draft_cls=Eagle3Draft,
+    objectives=OBJECTIVES,
+    options=frozenset({"draft_vocab_size", "fc_norm", "norm_output", *MOE_OPTIONS}),
+    build=_build,
+    host=_host,
+    make_batch=_make_batch,
+    counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
+    step=_step,
+    proposer=_proposer,
+    serving=Serving("eagle3", ("vllm", "sglang"), "eagle3"),
+    draft_vocab=True,
+    packs=True,
+    ttt_passes=True,
+    decode_depth=True,
+)

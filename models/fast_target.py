@@ -34,8 +34,8 @@ head counts are read from the projected shapes (view(..., -1, head_dim)), so a l
 unchanged on its local heads. Plain sharded tensors + one functional all-reduce per sub-layer,
 not DTensor: see `parallelize` for why.
 """
+
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
+from models.layers import LOCAL_ROPE, MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq
 from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -52,26 +53,77 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # Real config.json values of the benchmark targets (random weights are built from these).
 PRESETS = {
     "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu",
-        bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
     ),
     "qwen3-8b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
-        use_sliding_window=False, bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
     "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960,
-        rope_theta=1000000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
-        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.001,
-        bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+        router_aux_loss_coef=0.001,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
 }
 
@@ -103,15 +155,18 @@ class TargetConfig:
     hf: dict = field(default_factory=dict, repr=False)  # the config.json it came from
 
     def is_moe(self, layer: int) -> bool:
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> "TargetConfig":
         """From a config.json dict (or an HF config's to_dict()); raises for what is not built here."""
         kind = d.get("model_type")
         if kind not in FAMILIES:
-            raise NotImplementedError(f"compiled backend: model_type {kind!r} not supported ({', '.join(FAMILIES)}); use --backend hf")
+            raise NotImplementedError(
+                f"compiled backend: model_type {kind!r} not supported ({', '.join(FAMILIES)}); use --backend hf"
+            )
         if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias"):
             raise NotImplementedError("compiled backend: only silu MLPs without biases")
         if d.get("use_sliding_window") and kind != "llama":
@@ -125,18 +180,28 @@ class TargetConfig:
         heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         return cls(
-            model_type=kind, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, rms_norm_eps=d["rms_norm_eps"],
-            rope_parameters=rope, max_position_embeddings=d["max_position_embeddings"],
+            model_type=kind,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d["rms_norm_eps"],
+            rope_parameters=rope,
+            max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bias, o_bias=kind != "qwen2" and bias,
+            qkv_bias=kind == "qwen2" or bias,
+            o_bias=kind != "qwen2" and bias,
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             num_experts=(d.get("num_experts") or d.get("num_local_experts") or 0) if kind == "qwen3_moe" else 0,
-            num_experts_per_tok=d.get("num_experts_per_tok", 0), moe_intermediate_size=d.get("moe_intermediate_size", 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)), decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=list(d.get("mlp_only_layers") or []), hf=dict(d),
+            num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            moe_intermediate_size=d.get("moe_intermediate_size", 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            hf=dict(d),
         )
 
     @classmethod
@@ -153,45 +218,7 @@ class TargetConfig:
         return AutoConfig.for_model(**d)
 
 
-# ----------------------------------------------------------------------------------------- rope
-def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
-    """inv_freq [D/2] fp32, exactly as transformers computes it for these rope types."""
-    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-    kind = rope.get("rope_type", "default")
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / rope["factor"]
-    if kind == "llama3":  # Llama 3.1: long wavelengths slowed by `factor`, a smooth ramp between
-        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-        old = rope["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-        return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf")
-
-
-def apply_rope(x_BHTD, cos_BTD, sin_BTD):
-    half = x_BHTD.shape[-1] // 2
-    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
-    return x_BHTD * cos_BTD[:, None] + rotated * sin_BTD[:, None]
-
-
 # --------------------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):  # transformers' order of casts, so bf16 outputs match bit for bit
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 def dense_attention_mask(block_mask) -> torch.Tensor:
     """The element mask [B, H, Q, KV] (bool; H = 1 for a head-independent mask) of a
     self-attention BlockMask, evaluated from its mask_mod; a query row that may see no key
@@ -247,7 +274,6 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x_BTH, cos, sin, block_mask):
-        B, T, _ = x_BTH.shape
         q, k, v = self.project(x_BTH, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if block_mask is None:  # whole rows: the fused causal kernel
@@ -262,18 +288,7 @@ class Attention(nn.Module):
             raw = torch.compiler.is_compiling() or not x_BTH.is_cuda
             flex = flex_attention_eager if raw else flex_attention_compiled
             o = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(merge_heads(o))
 
 
 class Router(nn.Module):
@@ -392,32 +407,6 @@ def positions_from_docs(doc_ids_BT: torch.Tensor) -> torch.Tensor:
     return t - torch.where(start, t, 0).cummax(dim=1).values
 
 
-def pack_documents(docs: list[list[int]], row_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Greedy first-fit packing of token lists into rows of row_len: input_ids, doc_ids (-1 =
-    padding) and position_ids [R, row_len], plus where[i] = (row, start) of document i."""
-    rows, fill, where = [], [], []
-    for i, d in enumerate(docs):
-        if len(d) > row_len:
-            raise ValueError(f"document {i} has {len(d)} tokens > row length {row_len}")
-        r = next((j for j, f in enumerate(fill) if f + len(d) <= row_len), None)
-        if r is None:
-            rows.append([]), fill.append(0)
-            r = len(rows) - 1
-        where.append((r, fill[r]))
-        rows[r].append(i)
-        fill[r] += len(d)
-    R = len(rows)
-    ids = torch.full((R, row_len), pad_id, dtype=torch.long)
-    doc = torch.full((R, row_len), -1, dtype=torch.int32)
-    pos = torch.zeros((R, row_len), dtype=torch.long)
-    for i, (r, s) in enumerate(where):
-        n = len(docs[i])
-        ids[r, s : s + n] = torch.tensor(docs[i])
-        doc[r, s : s + n] = i
-        pos[r, s : s + n] = torch.arange(n)
-    return {"input_ids": ids, "doc_ids": doc, "position_ids": pos, "where": torch.tensor(where).view(-1, 2)}
-
-
 class FastTarget(nn.Module):
     """Frozen target, forward only; interface of models/target.Target (forward -> Features,
     embed_tokens, lm_head, config, aux_layers, path)."""
@@ -434,7 +423,12 @@ class FastTarget(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(c.rope_parameters, c.head_dim), persistent=False)
+        if (kind := c.rope_parameters.get("rope_type", "default")) not in LOCAL_ROPE:
+            raise NotImplementedError(
+                f"compiled backend: rope_type {kind!r} (default, linear and llama3 are built); use --backend hf"
+            )
+        inv_freq, self.rope_scale = rope_inv_freq(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.requires_grad_(False)
 
     @property
@@ -443,7 +437,9 @@ class FastTarget(nn.Module):
 
     # ---- construction: meta device first, then real storage exactly once ----
     @classmethod
-    def from_config(cls, config: TargetConfig, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True, seed=0):
+    def from_config(
+        cls, config: TargetConfig, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True, seed=0
+    ):
         """Random weights (normal, std 0.02; norms 1; biases 0), allocated on `device` directly."""
         with torch.device("meta"):
             m = cls(config, aux_layers, need_final)
@@ -523,7 +519,7 @@ class FastTarget(nn.Module):
         return self.eval().requires_grad_(False)
 
     def _init_buffers(self, device):
-        self.inv_freq = rope_inv_freq(self.config.rope_parameters, self.config.head_dim).to(device)
+        self.inv_freq = rope_inv_freq(self.config)[0].to(device)
         for m in self.modules():
             if isinstance(m, SparseMoE):
                 m.use_grouped_mm = grouped_mm_supported(torch.device(device))
@@ -568,8 +564,10 @@ class FastTarget(nn.Module):
             sizes["moe_intermediate_size"] = c.moe_intermediate_size
         bad = {k: v for k, v in sizes.items() if v % tp}
         if bad:
-            raise ValueError(f"tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
-                             f"(each rank holds whole heads and an equal share of the MLP); choose --tp among the common divisors")
+            raise ValueError(
+                f"tensor parallel size {tp} must divide {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                f"(each rank holds whole heads and an equal share of the MLP); choose --tp among the common divisors"
+            )
 
         def shard(t, dim):  # rank r's contiguous 1/tp of dim, in its own storage (the full tensor is freed)
             return nn.Parameter(t.chunk(tp, dim)[r].clone(memory_format=torch.contiguous_format), requires_grad=False)
@@ -604,9 +602,7 @@ class FastTarget(nn.Module):
 
     # ---- forward ----
     def rope(self, positions_BT: torch.Tensor, dtype):
-        freqs = positions_BT[..., None].float() * self.inv_freq  # [B, T, D/2] fp32, as transformers
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions_BT, self.inv_freq, self.rope_scale, dtype)
 
     @torch.no_grad()
     def forward(self, input_ids, attention_mask=None, doc_ids=None, position_ids=None) -> Features:
@@ -618,11 +614,16 @@ class FastTarget(nn.Module):
         if doc_ids is None and attention_mask is not None:
             doc_ids = attention_mask.to(torch.int32) - 1  # one document per row, padding -1
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T) if doc_ids is None else positions_from_docs(doc_ids)
+            position_ids = (
+                torch.arange(T, device=input_ids.device).expand(B, T)
+                if doc_ids is None
+                else positions_from_docs(doc_ids)
+            )
         block_mask = None
         if doc_ids is not None:
-            block_mask = create_block_mask(document_mask(doc_ids), B, None, T, T, device=input_ids.device,
-                                           _compile=input_ids.is_cuda)
+            block_mask = create_block_mask(
+                document_mask(doc_ids), B, None, T, T, device=input_ids.device, _compile=input_ids.is_cuda
+            )
         if getattr(self, "cudagraphs", False):
             torch.compiler.cudagraph_mark_step_begin()  # last call's graph outputs may be reused
         h = self.model.embed_tokens(input_ids)

@@ -15,6 +15,7 @@ A slot that stopped between two syncs decodes a few wasted tokens, cut off at th
 token when it is read back. Under greedy decoding the output equals the target's own greedy
 decoding (tests/test_generate.py against HF `generate`).
 """
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from models.fast_target import FastTarget
+from models.layers import merge_heads
 
 
 @dataclass
@@ -53,8 +55,18 @@ class SlotGenerator:
     request finishes (or none is left) and returns [(key, new_token_ids, hit_max_new_tokens)]:
     the tokens before the first stop token, and whether max_new_tokens ran out first."""
 
-    def __init__(self, target: FastTarget, slots: int, max_prompt_len: int, max_new_tokens: int, stop_ids,
-                 sampling: Sampling = Sampling(), seed: int = 0, sync_every: int = 16, prefill_tokens: int = 65536):
+    def __init__(
+        self,
+        target: FastTarget,
+        slots: int,
+        max_prompt_len: int,
+        max_new_tokens: int,
+        stop_ids,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        sync_every: int = 16,
+        prefill_tokens: int = 65536,
+    ):
         c = target.config
         self.t, self.S, self.max_new, self.sync_every = target, slots, max_new_tokens, sync_every
         self.max_prompt, self.prefill_tokens, self.sampling = max_prompt_len, prefill_tokens, sampling
@@ -109,7 +121,7 @@ class SlotGenerator:
             q, k, v = a.project(layer.input_layernorm(h), cos, sin)
             self.k[i][sl, :, :P], self.v[i][sl, :, :P] = k, v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-            h = h + a.o_proj(o.transpose(1, 2).reshape(n, P, -1))
+            h = h + a.o_proj(merge_heads(o))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(n, device=self.dev), lens - 1]  # [n, H]
         tok = sample(self._logits(last), self.sampling, self.gen)

@@ -24,6 +24,7 @@ generator, its own loss mask), then moved to its place in its row: pos is the ro
 element's doc its document label (peagle_mask keeps documents apart), its rope position and the
 "token p+2+d exists" test are relative to its own document (start / end).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, flex_attention_compiled, mask_grid, peagle_mask
-from models.eagle3 import Eagle3Config, Eagle3Draft
+from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from models.family import Family, Serving, block_attention, generator, pick_mask_token, with_vocab
+from models.proposer import Tree
 
 DOWN_SAMPLE_RATIO, DOWN_SAMPLE_MIN = 0.7, 0.2
 
@@ -60,13 +63,17 @@ class PEagleDraft(Eagle3Draft):
         is0 = (batch.depth == 0)[..., None]
         aux = torch.where(is0, batch.aux_hidden.to(self.mask_hidden.dtype), self.mask_hidden)
         hidden = self.project(aux)
-        q, k, v = self.qkv(batch.embeds.to(hidden.dtype), hidden, batch.pos - batch.start + batch.depth)  # rope: inside the document
+        q, k, v = self.qkv(
+            batch.embeds.to(hidden.dtype), hidden, batch.pos - batch.start + batch.depth
+        )  # rope: inside the document
         mask_mod = peagle_mask(batch.pos, batch.depth, batch.doc)
         if attention == "flex":
             bm = create_block_mask(mask_mod, B, None, L, L, device=q.device)
             attn = flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)
         else:  # dense [B, 1, L, L]; padding rows (see nothing) attend to themselves to stay finite
-            m = mask_grid(mask_mod, B, 1, L, L, device=q.device) | (batch.doc < 0)[:, None, :, None] & torch.eye(L, dtype=torch.bool, device=q.device)
+            m = mask_grid(mask_mod, B, 1, L, L, device=q.device) | (batch.doc < 0)[:, None, :, None] & torch.eye(
+                L, dtype=torch.bool, device=q.device
+            )
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
         out = self.finish(attn, hidden)
         sel = batch.acc_mask.reshape(-1).nonzero().squeeze(1)
@@ -144,8 +151,21 @@ def peagle_host(b: dict, K: int, gen_of) -> dict:
 
 
 @torch.no_grad()
-def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tokens, lm_head, draft_ids, t2d, mask_token_id,
-                      start=None, end=None) -> PEagleBatch:
+def make_peagle_batch(
+    features,
+    input_ids,
+    loss_mask,
+    pos,
+    depth,
+    doc,
+    embed_tokens,
+    lm_head,
+    draft_ids,
+    t2d,
+    mask_token_id,
+    start=None,
+    end=None,
+) -> PEagleBatch:
     """start / end [B, L]: the element's document span in its row (default: the whole row)."""
     B, T = input_ids.shape
     start = torch.zeros_like(pos) if start is None else start
@@ -165,12 +185,99 @@ def make_peagle_batch(features, input_ids, loss_mask, pos, depth, doc, embed_tok
     inside = valid & (pos + 2 + depth < end)  # token p+2+d exists in the element's own document
     acc = inside & loss_mask.gather(1, lab).bool()
     return PEagleBatch(
-        pos=pos, depth=depth, doc=doc, start=start, embeds=embed_tokens(tok), aux_hidden=aux, target_p=target_p, target_top=target_top,
-        acc_mask=acc, loss_mask=(acc & t2d[target_top]).float(),
+        pos=pos,
+        depth=depth,
+        doc=doc,
+        start=start,
+        embeds=embed_tokens(tok),
+        aux_hidden=aux,
+        target_p=target_p,
+        target_top=target_top,
+        acc_mask=acc,
+        loss_mask=(acc & t2d[target_top]).float(),
     )
 
 
 def peagle_counts(batch: PEagleBatch, K: int) -> torch.Tensor:
     """[K, 2] (accuracy rows, loss rows) per depth."""
     d = batch.depth
-    return torch.stack([torch.stack([(batch.acc_mask & (d == k)).sum(), ((batch.loss_mask > 0) & (d == k)).sum()]) for k in range(K)])
+    return torch.stack(
+        [torch.stack([(batch.acc_mask & (d == k)).sum(), ((batch.loss_mask > 0) & (d == k)).sum()]) for k in range(K)]
+    )
+
+
+# ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class PEagleProposer(Eagle3Proposer):
+    """P-EAGLE parallel drafting: the EAGLE-3 catch-up, then K tokens from one draft forward:
+    depth 0 from the last committed position's output, depths 1..K-1 from K-1 slots at positions
+    N-1 .. N+K-3 fed the mask token and fc(mask_hidden), attending the draft cache and causally
+    to each other (vLLM's parallel_drafting layout)."""
+
+    def __init__(self, draft, embed_tokens):
+        super().__init__(draft, embed_tokens, depth=draft.K)
+        self.name = f"peagle-parallel{draft.K}"
+
+    @torch.no_grad()
+    def propose(self, ids) -> Tree:
+        d, N, K = self.draft, len(ids), self.depth
+        toks = [int(d.logits(self.h_last[0, -1]).argmax())]
+        if K > 1:
+            emb = self._emb([d.config.mask_token_id] * (K - 1))
+            hid = d.project(d.mask_hidden.to(self.dtype)).expand(1, K - 1, -1)
+            pos = torch.arange(N - 1, N + K - 2, device=emb.device)[None]
+            out, _ = d.decode(emb, hid, pos, self.past)  # causal among the slots, full view of the cache
+            toks += d.logits(out[0]).argmax(-1).tolist()
+        return Tree([int(self.draft_ids[t]) for t in toks], list(range(-1, K - 1)))
+
+
+# ---------------------------------------------------------------- the family contract (models/family.py)
+def _build(cfg, target, counts, tokenizer):
+    c = PEagleConfig.from_target(
+        target.config,
+        cfg.draft_vocab_size,
+        target.aux_layers,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        mask_token_id=pick_mask_token(tokenizer, counts),
+        depths=cfg.ttt_length,
+    )
+    return with_vocab(PEagleDraft(c), counts, cfg.draft_vocab_size)
+
+
+def _make_batch(feats, b, target, draft):
+    return make_peagle_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        b["pe_pos"],
+        b["pe_depth"],
+        b["pe_doc"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        draft.t2d,
+        draft.config.mask_token_id,
+        b["pe_start"],
+        b["pe_end"],
+    )
+
+
+FAMILY = Family(
+    name="peagle",
+    config_cls=PEagleConfig,
+    draft_cls=PEagleDraft,
+    objectives=("kl",),
+    options=frozenset({"draft_vocab_size", "fc_norm", "norm_output"}),
+    build=_build,
+    host=lambda b, cfg, device, key, first=0: peagle_host(
+        b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)
+    ),
+    make_batch=_make_batch,
+    counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
+    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
+    proposer=lambda draft, model, depth, topk: PEagleProposer(draft, model.get_input_embeddings()),
+    # vLLM drafts P-EAGLE as EAGLE-3 with parallel_drafting (SGLang has no parallel drafting here)
+    serving=Serving("eagle3", ("vllm",), "eagle3", {"parallel_drafting": True}),
+    draft_vocab=True,
+    packs=True,
+)

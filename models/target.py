@@ -6,6 +6,7 @@ Index conventions (see DESIGN.md): `aux_layers` are 0-based decoder-layer indice
 default is [1, L//2 - 1, L - 4]. The final hidden state is after the model's final norm, so
 `logits = lm_head(final_hidden)`.
 """
+
 import json
 import os
 import shutil
@@ -38,16 +39,20 @@ def check_config(path: Path) -> dict:
     try:
         cfg = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise TargetError(f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
-                          "the target directory is damaged or incompletely copied") from None
+        raise TargetError(
+            f"{file} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): "
+            "the target directory is damaged or incompletely copied"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise TargetError(f"{file} cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(cfg, dict):
         raise TargetError(f"{file} holds a JSON {type(cfg).__name__}, not an object: is it a model config?")
     model_type = cfg.get("model_type")
     if not model_type:
-        raise TargetError(f"{file} has no 'model_type': transformers cannot tell which architecture to build "
-                          "(a Hugging Face causal-LM config.json names it, e.g. \"model_type\": \"llama\")")
+        raise TargetError(
+            f"{file} has no 'model_type': transformers cannot tell which architecture to build "
+            '(a Hugging Face causal-LM config.json names it, e.g. "model_type": "llama")'
+        )
     try:
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     except ImportError:
@@ -55,8 +60,10 @@ def check_config(path: Path) -> dict:
     if model_type not in CONFIG_MAPPING_NAMES:
         import transformers
 
-        raise TargetError(f"{file}: model_type {model_type!r} is not known to transformers {transformers.__version__} "
-                          "(misspelled, or a newer architecture: upgrade transformers)")
+        raise TargetError(
+            f"{file}: model_type {model_type!r} is not known to transformers {transformers.__version__} "
+            "(misspelled, or a newer architecture: upgrade transformers)"
+        )
     return cfg
 
 
@@ -68,8 +75,10 @@ def check_gguf(path: Path) -> None:
     except OSError as e:
         raise TargetError(f"target file {path} cannot be read ({type(e).__name__}: {e})") from None
     if head != GGUF_MAGIC:
-        raise TargetError(f"target file {path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r} "
-                          "(pass a real .gguf file or a Hugging Face model directory)")
+        raise TargetError(
+            f"target file {path} is not a GGUF file: it starts with {head!r}, not {GGUF_MAGIC!r} "
+            "(pass a real .gguf file or a Hugging Face model directory)"
+        )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -179,8 +188,13 @@ class Target(nn.Module):
         return self.model.get_output_embeddings()
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> Features:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> Features:
         """input_ids [B, T]; attention_mask [B, T] (right padding) or, for packed rows
         (data/packing.py), doc_ids [B, T] (document label per token, -1 = padding) and
         position_ids [B, T] (restarting per document): each document then sees only itself."""
@@ -208,12 +222,16 @@ def packed_attention_mask(doc_ids: torch.Tensor, dtype, attn_implementation: str
     to the scores; padding (-1) is one more document, so no row is empty. Other implementations
     (flash_attention_2, flex) take masks in other forms: refused, not silently mixed."""
     if attn_implementation not in PACKABLE_ATTENTION:
-        raise ValueError(f"packed rows need the target's attention to be one of {PACKABLE_ATTENTION} (a 4D mask), "
-                         f"this target uses {attn_implementation!r}: pass --no-pack, or load it with sdpa")
+        raise ValueError(
+            f"packed rows need the target's attention to be one of {PACKABLE_ATTENTION} (a 4D mask), "
+            f"this target uses {attn_implementation!r}: pass --no-pack, or load it with sdpa"
+        )
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     allowed = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )[:, None]
 
 
 def fingerprint(path: Path) -> str:

@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the N workers share the cores instead of each taking all
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +38,9 @@ def tiny_run_inputs(tmp_path_factory, smollm2_tokenizer):
     smollm2_tokenizer.save_pretrained(root / "target")
     with open(root / "chats.jsonl", "w") as f:
         for rec in load_records("sharegpt", limit=60):
-            msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:200]} for t in rec["conversations"][:4]]
+            msgs = [
+                {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:200]}
+                for t in rec["conversations"][:4]
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return root / "target", root / "chats.jsonl"

@@ -1,6 +1,7 @@
 """train.py / export.py on bad options, bad --out dirs, damaged checkpoints and full disks (issue 17):
 each fails with one message naming the cause, a non-zero exit, no traceback, and nothing of an
 earlier run overwritten or lost."""
+
 import errno
 import json
 import shutil
@@ -29,8 +30,20 @@ def failed(p, *messages):
 def cfg_of(target, data, out, **kw):
     from train import TrainConfig
 
-    base = dict(target=str(target), data=str(data), out=str(out), num_records=16, holdout=2, max_len=64, batch_size=2,
-                draft_vocab_size=512, ttt_length=2, lr=1e-3, warmup=1, progress=False)
+    base = dict(
+        target=str(target),
+        data=str(data),
+        out=str(out),
+        num_records=16,
+        holdout=2,
+        max_len=64,
+        batch_size=2,
+        draft_vocab_size=512,
+        ttt_length=2,
+        lr=1e-3,
+        warmup=1,
+        progress=False,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -47,14 +60,19 @@ def main_fails(cfg, *messages) -> str:
 
 
 def snapshot(out: Path) -> dict:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and "tb" not in p.parts}
+    return {
+        str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and "tb" not in p.parts
+    }
 
 
 # ---------------------------------------------------------------- numeric options, up front
-@pytest.mark.parametrize("extra,message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
-    (["--steps", "-1"], "--steps must be at least 0 (0 = one epoch), got -1"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        (["--steps", "-1"], "--steps must be at least 0 (0 = one epoch), got -1"),
+    ],
+)
 def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, message):
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "out", target, data, 0, [*extra], check=False)
@@ -62,18 +80,24 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
     assert not (tmp_path / "out").exists()  # nothing written (today --steps -1 wrote ckpt/step_-1)
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"lr": float("nan")}, "--lr must be a finite number in (0, inf), got nan"),
-    ({"lr": -1e-3}, "--lr must be a finite number"),
-    ({"grad_clip": 0.0}, "--grad-clip must be a finite number"),
-    ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be a finite number in [0, 1]"),
-    ({"log_every": 0}, "--log-every must be at least 1"),
-    ({"eval_batch_size": 0}, "--eval-batch-size must be at least 1"),
-    ({"ttt_length": 0}, "--ttt-length must be at least 1"),
-    ({"holdout": -1}, "--holdout must be at least 0"),
-    ({"moe_experts": 2, "moe_top_k": 3}, "--moe-top-k 3 is more than --moe-experts 2"),
-    ({"resume": True, "overwrite": True}, "--resume continues the run in --out and --overwrite replaces it: pass one of them"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"lr": float("nan")}, "--lr must be a finite number in (0, inf), got nan"),
+        ({"lr": -1e-3}, "--lr must be a finite number"),
+        ({"grad_clip": 0.0}, "--grad-clip must be a finite number"),
+        ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be a finite number in [0, 1]"),
+        ({"log_every": 0}, "--log-every must be at least 1"),
+        ({"eval_batch_size": 0}, "--eval-batch-size must be at least 1"),
+        ({"ttt_length": 0}, "--ttt-length must be at least 1"),
+        ({"holdout": -1}, "--holdout must be at least 0"),
+        ({"moe_experts": 2, "moe_top_k": 3}, "--moe-top-k 3 is more than --moe-experts 2"),
+        (
+            {"resume": True, "overwrite": True},
+            "--resume continues the run in --out and --overwrite replaces it: pass one of them",
+        ),
+    ],
+)
 def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
     import train
 
@@ -102,7 +126,10 @@ def test_out_under_a_file(tmp_path, tiny_run_inputs):
     target, data = tiny_run_inputs
     f = tmp_path / "afile"
     f.write_text("x")
-    failed(run_train(f / "run", target, data, 0, ["--steps", "1"], check=False), f"--out {f / 'run'}: {f} is a file, not a directory")
+    failed(
+        run_train(f / "run", target, data, 0, ["--steps", "1"], check=False),
+        f"--out {f / 'run'}: {f} is a file, not a directory",
+    )
     failed(run_train(f, target, data, 0, ["--steps", "1"], check=False), f"--out {f} is a file, not a directory")
     assert f.read_text() == "x"
 
@@ -117,7 +144,10 @@ def test_out_read_only_fails_before_loading(tmp_path, tiny_run_inputs, monkeypat
 
     monkeypatch.setattr(tempfile, "mkstemp", read_only)
     monkeypatch.setattr(train, "Trainer", None)  # the model and data are never loaded
-    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "ro"), f"--out {tmp_path / 'ro'}: cannot write the run there: it is on a read-only file system")
+    main_fails(
+        cfg_of(*tiny_run_inputs, tmp_path / "ro"),
+        f"--out {tmp_path / 'ro'}: cannot write the run there: it is on a read-only file system",
+    )
 
 
 def test_out_where_writes_are_refused(tmp_path, tiny_run_inputs):
@@ -142,19 +172,33 @@ def test_rerun_refused_then_overwrite_replaces_it(tmp_path, tiny_run_inputs):
     out = tmp_path / "run"
     run_train(out, target, data, 0, [*FAST, "--steps", "2", "--ckpt-every", "1"])
     before = snapshot(out)
-    assert {"run.json", "metrics.jsonl", "ckpt/step_1/draft.safetensors", "ckpt/step_2/draft.safetensors"} <= before.keys()
+    assert {
+        "run.json",
+        "metrics.jsonl",
+        "ckpt/step_1/draft.safetensors",
+        "ckpt/step_2/draft.safetensors",
+    } <= before.keys()
     p = run_train(out, target, data, 0, [*FAST, "--steps", "1"], check=False)
-    failed(p, f"--out {out} holds a previous run (run.json, metrics.jsonl, tb/, ckpt/; checkpoint step_2): "
-              "pass --resume to continue it, --overwrite to replace it")
+    failed(
+        p,
+        f"--out {out} holds a previous run (run.json, metrics.jsonl, tb/, ckpt/; checkpoint step_2): "
+        "pass --resume to continue it, --overwrite to replace it",
+    )
     assert snapshot(out) == before  # nothing touched
     # the disaggregated launcher refuses too, before it starts any process
-    failed(run_train(out, target, data, 0, [*FAST, "--steps", "1", "--producers", "1"], check=False), "holds a previous run")
+    failed(
+        run_train(out, target, data, 0, [*FAST, "--steps", "1", "--producers", "1"], check=False),
+        "holds a previous run",
+    )
     assert snapshot(out) == before and not (out / "pipeline").exists()
 
     (out / "notes.txt").write_text("mine")  # not the run's: kept
     p = run_train(out, target, data, 0, [*FAST, "--steps", "1", "--overwrite", "--progress"])
     assert "[out] --overwrite: removed the previous run's run.json, metrics.jsonl, tb/, ckpt/" in p.stdout
-    assert sorted(d.name for d in (out / "ckpt").iterdir()) == ["latest", "step_1"]  # no step_2 of the old run beside it
+    assert sorted(d.name for d in (out / "ckpt").iterdir()) == [
+        "latest",
+        "step_1",
+    ]  # no step_2 of the old run beside it
     assert [r["step"] for r in train_rows(out)] == [1]  # only the new run's rows
     assert json.loads((out / "run.json").read_text())["config"]["steps"] == 1
     assert (out / "notes.txt").read_text() == "mine"
@@ -199,8 +243,12 @@ def test_resume_with_no_intact_checkpoint_fails_clearly(two_checkpoints, tiny_ru
     truncate(out / "ckpt" / "step_1" / "draft.safetensors", 0.0)
     before = snapshot(out)
     p = run_train(out, target, data, 0, [*FAST, "--steps", "3", "--resume"], check=False)
-    failed(p, f"--resume: no intact checkpoint in {out / 'ckpt'}", str(out / "ckpt" / "step_2" / "train_state.pt"),
-           str(out / "ckpt" / "step_1" / "draft.safetensors"))
+    failed(
+        p,
+        f"--resume: no intact checkpoint in {out / 'ckpt'}",
+        str(out / "ckpt" / "step_2" / "train_state.pt"),
+        str(out / "ckpt" / "step_1" / "draft.safetensors"),
+    )
     assert snapshot(out) == before
 
 
@@ -208,7 +256,10 @@ def test_resume_without_checkpoint_fails_up_front(tmp_path, tiny_run_inputs, mon
     import train
 
     monkeypatch.setattr(train, "Trainer", None)
-    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "none", resume=True), f"--resume: no checkpoint in {tmp_path / 'none' / 'ckpt'}")
+    main_fails(
+        cfg_of(*tiny_run_inputs, tmp_path / "none", resume=True),
+        f"--resume: no checkpoint in {tmp_path / 'none' / 'ckpt'}",
+    )
 
 
 def test_export_names_the_damaged_file(two_checkpoints):
@@ -230,7 +281,6 @@ def test_export_names_the_damaged_file(two_checkpoints):
 
 # ---------------------------------------------------------------- disk full while saving
 def test_disk_full_during_checkpoint(tmp_path, tiny_run_inputs, monkeypatch):
-    import train
 
     out = tmp_path / "run"
     real_save = torch.save
@@ -242,9 +292,11 @@ def test_disk_full_during_checkpoint(tmp_path, tiny_run_inputs, monkeypatch):
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
-    msg = main_fails(cfg_of(*tiny_run_inputs, out, steps=3, ckpt_every=1),
-                     f"error: cannot write checkpoint {out / 'ckpt' / 'step_2'} (no space left on the device;",
-                     "removed the partial step_2.tmp; earlier checkpoints kept: step_1 (continue with --resume)")
+    msg = main_fails(
+        cfg_of(*tiny_run_inputs, out, steps=3, ckpt_every=1),
+        f"error: cannot write checkpoint {out / 'ckpt' / 'step_2'} (no space left on the device;",
+        "removed the partial step_2.tmp; earlier checkpoints kept: step_1 (continue with --resume)",
+    )
     assert "Traceback" not in msg
     assert sorted(d.name for d in (out / "ckpt").iterdir()) == ["latest", "step_1"]  # no step_2.tmp left behind
     assert (out / "ckpt" / "latest").read_text() == "step_1"
@@ -265,19 +317,34 @@ def test_nan_loss_names_an_existing_checkpoint(tmp_path, tiny_run_inputs):
     w["model.norm.weight"][:] = float("nan")
     save_file(w, bad / "model.safetensors", metadata={"format": "pt"})
     p = run_train(out, bad, data, 0, [*FAST, "--steps", "3", "--resume"], check=False)
-    failed(p, f"non-finite loss at step 1", f"Last good checkpoint: {out / 'ckpt' / 'step_1'} (continue from it with --resume")
+    failed(
+        p,
+        "non-finite loss at step 1",
+        f"Last good checkpoint: {out / 'ckpt' / 'step_1'} (continue from it with --resume",
+    )
     assert (out / "ckpt" / "step_1" / "draft.safetensors").exists()
 
 
 def test_no_usable_examples_says_why(tmp_path, tiny_run_inputs):
     target, data = tiny_run_inputs
-    p = run_train(tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "40", "--holdout", "4"], check=False)
-    failed(p, "only 4 usable examples, cannot hold out 4. [data]", "at --max-len 40: {", '"kept": 4', '"records": 16',
-           '"skipped_nothing_trainable_within_max_len": 12')
+    p = run_train(
+        tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "40", "--holdout", "4"], check=False
+    )
+    failed(
+        p,
+        "only 4 usable examples, cannot hold out 4. [data]",
+        "at --max-len 40: {",
+        '"kept": 4',
+        '"records": 16',
+        '"skipped_nothing_trainable_within_max_len": 12',
+    )
     assert not (tmp_path / "out" / "run.json").exists()
     # (nothing trainable at all is data/datasets.py's own message, with the same counts)
-    failed(run_train(tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "4"], check=False),
-           "none of the 16 records has anything to train on (max_len 4)", "skipped_nothing_trainable_within_max_len")
+    failed(
+        run_train(tmp_path / "out", target, data, 0, [*FAST, "--steps", "1", "--max-len", "4"], check=False),
+        "none of the 16 records has anything to train on (max_len 4)",
+        "skipped_nothing_trainable_within_max_len",
+    )
 
 
 def test_help_shows_config():

@@ -2,6 +2,7 @@
 directory or a file that is not GGUF, a data file of an unsupported format, malformed or
 untrainable chats, feature-store bytes damaged in place. Through train.py they are an
 `error: ...` exit (non-zero, no traceback) and no input file is changed or removed."""
+
 import json
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ def _target_with_config(src: Path, dst: Path, config_text: str) -> Path:
 BROKEN_CONFIGS = {
     "invalid_json": ('{"model_type": "llama", "hidden_size": 64,', r"config.json is not valid JSON \("),
     "no_model_type": (json.dumps({"hidden_size": 64, "num_hidden_layers": 4}), r"config.json has no 'model_type'"),
-    "unknown_model_type": (json.dumps({"model_type": "lama"}), r"config.json: model_type 'lama' is not known to transformers"),
+    "unknown_model_type": (
+        json.dumps({"model_type": "lama"}),
+        r"config.json: model_type 'lama' is not known to transformers",
+    ),
     "not_an_object": ("[1, 2]", r"config.json holds a JSON list, not an object"),
 }
 
@@ -56,7 +60,9 @@ def test_non_gguf_file_fails_before_converting(tmp_path, monkeypatch, capsys):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04" + bytes(4096))  # e.g. a zip renamed
     t0 = time.time()
-    with pytest.raises(TargetError, match=rf"target file {fake} is not a GGUF file: it starts with b'PK\\x03\\x04', not b'GGUF'"):
+    with pytest.raises(
+        TargetError, match=rf"target file {fake} is not a GGUF file: it starts with b'PK\\x03\\x04', not b'GGUF'"
+    ):
         resolve_target(str(fake))
     assert time.time() - t0 < 1 and "converting" not in capsys.readouterr().out
     (tmp_path / "empty.gguf").write_bytes(b"")
@@ -103,7 +109,9 @@ def _bad_target(tmp_path, target, case):
         fake = tmp_path / "model.gguf"
         fake.write_bytes(b"<html>404 not found</html>" + bytes(1000))  # a failed download
         return fake, "is not a GGUF file"
-    message = {"invalid_json": "config.json is not valid JSON", "no_model_type": "config.json has no 'model_type'"}[case]
+    message = {"invalid_json": "config.json is not valid JSON", "no_model_type": "config.json has no 'model_type'"}[
+        case
+    ]
     return _target_with_config(target, tmp_path / "t", BROKEN_CONFIGS[case][0]), f"{tmp_path / 't'}/{message}"
 
 
@@ -175,6 +183,8 @@ def test_train_on_damaged_feature_shard_fails_clearly(tmp_path, tiny_run_inputs)
     path.write_bytes(bytes(raw))
     before = {k: store.path(k).read_bytes() for k in keys}
     # one epoch (56 train samples / batch 4): every sample, so every shard, is read
-    p = run_train(tmp_path / "run", target, "/no/data/needed", 0, ["--steps", "14", "--features", str(out)], check=False)
+    p = run_train(
+        tmp_path / "run", target, "/no/data/needed", 0, ["--steps", "14", "--features", str(out)], check=False
+    )
     _fails_clearly(p, f"shard {path}: the bytes of tensor 'aux_hidden' do not match the checksum")
     assert {k: store.path(k).read_bytes() for k in keys} == before  # nothing deleted or rewritten

@@ -1,11 +1,14 @@
 """Batched EAGLE-3 chain drafting gives, per prompt, the batch-1 path's outputs and counters
 (float64, so batched and unbatched matmuls cannot round a near-tie differently): ragged prompt
 lengths, rows that finish early (EOS, max_new_tokens) and rows that keep going."""
+
 import pytest
 import torch
 
-from models.batched_chain import batched_chain_generate
-from models.speculative import Eagle3Proposer, Proposer, TargetRunner, speculative_generate
+from batched_chain import batched_chain_generate
+from models.eagle3 import Eagle3Proposer
+from models.proposer import Proposer
+from speculative import TargetRunner, speculative_generate
 from tests.test_speculative import hf_greedy, one_thread, random_draft  # noqa: F401 (one_thread: autouse fixture)
 from tests.tiny import tiny_llama
 
@@ -25,11 +28,19 @@ def test_batched_equals_batch_one(seed, depth):
     draft, aux = random_draft(hf, seed)
     draft = draft.double()
     prompts = prompts_for(seed, 6)
-    ref = [speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30)
-           for p in prompts]
+    ref = [
+        speculative_generate(
+            TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30
+        )
+        for p in prompts
+    ]
     eos = [ref[2][0][5]]  # a token prompt 2 emits: some rows stop early, at different steps
-    ref = [speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30, eos)
-           for p in prompts]
+    ref = [
+        speculative_generate(
+            TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=depth), p, 30, eos
+        )
+        for p in prompts
+    ]
     got = batched_chain_generate(hf, draft, prompts, depth, 30, eos)
     assert len({len(o) for o, _ in ref}) > 1  # rows really finish at different lengths
     for (o_ref, s_ref), (o, s) in zip(ref, got):
@@ -86,7 +97,10 @@ def test_ragged_acceptance_in_batch():
             hf.lm_head.weight[succ[t]] = 10 * En[t]
     draft = OracleDraft(E)
     prompts = [[3, 4], [17, 18, 19], [9], [28, 29, 30, 31], [42, 43]]
-    ref = [speculative_generate(TargetRunner(hf, [0]), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=4), p, 40) for p in prompts]
+    ref = [
+        speculative_generate(TargetRunner(hf, [0]), Eagle3Proposer(draft, hf.get_input_embeddings(), depth=4), p, 40)
+        for p in prompts
+    ]
     got = batched_chain_generate(hf, draft, prompts, 4, 40)
     assert [o for o, _ in got] == [o for o, _ in ref] and [s for _, s in got] == [s for _, s in ref]
     for (o, _), p in zip(got, prompts):

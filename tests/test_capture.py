@@ -1,5 +1,6 @@
 """capture.py on a tiny random target: stored features are the target's; one rank == two
 ranks; resume; offline training == online training; regenerate == HF greedy per turn."""
+
 import json
 import os
 import subprocess
@@ -20,15 +21,23 @@ CAP = ["--num-records", "60", "--max-len", "64", "--shard-mb", "1"]  # as run_tr
 def run_capture(args, nproc=0, check=True):
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, *launcher, "capture.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, env=env, timeout=600)
+    p = subprocess.run(
+        [sys.executable, *launcher, "capture.py", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"capture.py failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
 
 
 def features_cfg(target, data, out, **kw):
-    return FeaturesConfig(target=str(target), data=str(data), out=str(out), num_records=60, max_len=64, shard_mb=1, **kw)
+    return FeaturesConfig(
+        target=str(target), data=str(data), out=str(out), num_records=60, max_len=64, shard_mb=1, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +125,13 @@ def test_offline_training_matches_online(tmp_path, captured, tiny_run_inputs):
     for a, b in zip(on, off):
         for k in ("loss", "loss_0", "loss_2", "acc_0", "grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    evals = [[r for r in map(json.loads, open(d / "metrics.jsonl")) if r["split"] == "eval"] for d in (tmp_path / "online", tmp_path / "offline")]
-    assert len(evals[0]) == 3 and [r["loss_0"] for r in evals[0]] == pytest.approx([r["loss_0"] for r in evals[1]], rel=1e-5)
+    evals = [
+        [r for r in map(json.loads, open(d / "metrics.jsonl")) if r["split"] == "eval"]
+        for d in (tmp_path / "online", tmp_path / "offline")
+    ]
+    assert len(evals[0]) == 3 and [r["loss_0"] for r in evals[0]] == pytest.approx(
+        [r["loss_0"] for r in evals[1]], rel=1e-5
+    )
     p1, p2 = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
     for k in p1:
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
@@ -149,7 +163,9 @@ def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run
     for k in p1:
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
     # --max-len below the store's: rows grow to its longest conversation (said so); the same training
-    p = run_train(tmp_path / "short", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--max-len", "64"])
+    p = run_train(
+        tmp_path / "short", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--max-len", "64"]
+    )
     assert "(> --max-len 64): rows of" in p.stdout
     short = json.loads((tmp_path / "short" / "run.json").read_text())["results"]["packing"]
     assert 64 < short["row_len"] <= 256 and short["real_tokens"] == packing[0]["real_tokens"]
@@ -169,8 +185,15 @@ def test_offline_refuses_another_target(tmp_path, captured, tiny_run_inputs, smo
 
 # ---------------------------------------------------------------- regenerate
 def regen_cfg(target, data, out, **kw):
-    base = dict(target=str(target), data=str(data), out=str(out), num_records=8, max_new_tokens=6,
-                max_prompt_len=256, batch_size=3)
+    base = dict(
+        target=str(target),
+        data=str(data),
+        out=str(out),
+        num_records=8,
+        max_new_tokens=6,
+        max_prompt_len=256,
+        batch_size=3,
+    )
     return RegenConfig(**{**base, **kw})
 
 
@@ -180,7 +203,9 @@ def hf_greedy(model, tokenizer, messages, max_new_tokens):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     eos = stop_ids(model, tokenizer)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[0, ids.shape[1]:].tolist()
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[
+        0, ids.shape[1] :
+    ].tolist()
     cut = next((j for j, t in enumerate(out) if t in eos), len(out))
     return tokenizer.decode(out[:cut], skip_special_tokens=True).strip()
 
@@ -277,8 +302,15 @@ def test_regenerate_counts_conversations_it_cannot_continue(tmp_path, tiny_run_i
         {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
         {"id": "no_user", "messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]},
         {"id": "long_first", "messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "x"}]},
-        {"id": "long_second", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
-                                           {"role": "user", "content": long}, {"role": "assistant", "content": "y"}]},
+        {
+            "id": "long_second",
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": long},
+                {"role": "assistant", "content": "y"},
+            ],
+        },
         {"id": "trailing_user", "conversations": [{"from": "gpt", "value": "lead"}, {"from": "human", "value": "q"}]},
     ]
     data = tmp_path / "bad.jsonl"
@@ -286,7 +318,13 @@ def test_regenerate_counts_conversations_it_cannot_continue(tmp_path, tiny_run_i
     out = tmp_path / "o.jsonl"
     doc = regenerate(regen_cfg(target, data, out, num_records=0, max_prompt_len=160))
     c = doc["counts"]
-    assert (c["written"], c["dropped"], c["dropped_no_user_turn"], c["dropped_prompt_too_long"], c["cut_prompt_too_long"]) == (3, 2, 1, 1, 1)
+    assert (
+        c["written"],
+        c["dropped"],
+        c["dropped_no_user_turn"],
+        c["dropped_prompt_too_long"],
+        c["cut_prompt_too_long"],
+    ) == (3, 2, 1, 1, 1)
     recs = {r["id"]: r for r in map(json.loads, open(out))}
     assert set(recs) == {"ok", "long_second", "trailing_user"}
     assert recs["long_second"]["turns"] == 1 and recs["long_second"]["cut"] == "prompt_too_long"

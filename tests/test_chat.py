@@ -1,5 +1,6 @@
 """Loss-mask golden tests: the trained tokens are exactly the assistant replies (plus the
 template's end-of-turn marker), for ChatML (SmolLM2's own), Llama-3 and Qwen-style templates."""
+
 import copy
 from collections import Counter
 
@@ -14,8 +15,10 @@ LLAMA3 = (
 )
 QWEN = (
     "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
-    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}{%- endif %}"
-    "{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant') %}"
     "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
@@ -56,7 +59,9 @@ def test_golden_multi_turn(tok, template, end):
     if template:
         tok.chat_template = template
     if template is LLAMA3:  # as in the real Llama-3 tokenizer, its markers are single special tokens
-        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+        tok.add_special_tokens(
+            {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        )
     ex = tokenize_chat(tok, CHAT, max_len=4096)
     assert trained_runs(tok, ex) == ["Hello, how can I help?" + end, "It is 4." + end]
     # tokens are exactly what the template renders, so training sees what serving sees

@@ -41,7 +41,10 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 def test_jsonl_and_parquet_load_the_same(tmp_path):
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(4)
+    ]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
     assert load_records(str(tmp_path / "c.jsonl")) == rows == load_records(str(tmp_path / "c.parquet"))
@@ -87,8 +90,11 @@ def test_unsupported_format_is_named_not_malformed_json(tmp_path):
     its format and the supported ones."""
     p = tmp_path / "chats.csv"
     p.write_text("role,content\nuser,hi\nassistant,hello\n")
-    with pytest.raises(DataError, match=r"chats.csv: the format .csv is not supported; supported: .json, .jsonl, "
-                                        r".json.gz, .jsonl.gz, .parquet or a directory") as e:
+    with pytest.raises(
+        DataError,
+        match=r"chats.csv: the format .csv is not supported; supported: .json, .jsonl, "
+        r".json.gz, .jsonl.gz, .parquet or a directory",
+    ) as e:
         load_records(str(p))
     assert "malformed" not in str(e.value)
     with pytest.raises(DataError, match=r"\.tar\.gz is not supported"):
@@ -104,7 +110,10 @@ def test_gzipped_jsonl_and_directories_load(tmp_path):
 
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(4)
+    ]
     d = tmp_path / "d"
     d.mkdir()
     with gzip.open(d / "a.jsonl.gz", "wt") as f:
@@ -120,10 +129,15 @@ def test_gzipped_jsonl_and_directories_load(tmp_path):
 def test_no_trainable_record_is_an_error_with_the_counts(smollm2_tokenizer):
     """Only empty assistant turns / no assistant / nothing within max_len: an error with the counts,
     not an empty dataset that fails later for another reason."""
-    recs = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
-            {"messages": [{"role": "user", "content": "only a question"}]}]
-    with pytest.raises(DataError, match=r"none of the 2 records has anything to train on .*'empty_assistant_turns': 1, "
-                                        r"'skipped_empty_assistant': 1, 'skipped_no_assistant': 1"):
+    recs = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+    ]
+    with pytest.raises(
+        DataError,
+        match=r"none of the 2 records has anything to train on .*'empty_assistant_turns': 1, "
+        r"'skipped_empty_assistant': 1, 'skipped_no_assistant': 1",
+    ):
         build_examples(recs, smollm2_tokenizer, 64)
     long = [{"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "fine"}]}]
     with pytest.raises(DataError, match="skipped_nothing_trainable_within_max_len': 1"):
@@ -143,5 +157,11 @@ def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
             keys = [norm(t)[:80] for turns in load_prompts(ds, 0) for t in turns]
             assert len(keys) > 80 and not [k for k in keys if k in blob], (name, ds)
         # the ShareGPT prompts τ is measured on as "never trained on" (README, "The shipped draft")
-        unseen = [norm(t)[:80] for turns in load_prompts(str(Path(__file__).resolve().parents[1] / "experiments/results/useful_draft/unseen_sharegpt.jsonl"), 0) for t in turns]
+        unseen = [
+            norm(t)[:80]
+            for turns in load_prompts(
+                str(Path(__file__).resolve().parents[1] / "experiments/results/useful_draft/unseen_sharegpt.jsonl"), 0
+            )
+            for t in turns
+        ]
         assert len(unseen) == 10 and not [k for k in unseen if k in blob], name

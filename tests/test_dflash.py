@@ -1,6 +1,7 @@
 """DFlash: anchors, block batch and the batched block-mask forward against brute force (every block
 run on its own, through the inference path, over exactly the context before its anchor), D-PACE
 weights from their definition, flex == dense, and an overfit run on a tiny random target."""
+
 import math
 
 import pytest
@@ -22,8 +23,22 @@ from tests.tiny import random_examples, tiny_llama
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def setup(seed=0, K=3, n_anchors=4, cls=DFlashDraft, cfg_cls=DFlashConfig, prediction_offset=1, hidden=32, heads=4, target_p=False,
-          prev_embeds=False, n_examples=3, max_len=13, init=0.02, **extra):
+def setup(
+    seed=0,
+    K=3,
+    n_anchors=4,
+    cls=DFlashDraft,
+    cfg_cls=DFlashConfig,
+    prediction_offset=1,
+    hidden=32,
+    heads=4,
+    target_p=False,
+    prev_embeds=False,
+    n_examples=3,
+    max_len=13,
+    init=0.02,
+    **extra,
+):
     torch.manual_seed(seed)
     hf = tiny_llama(seed=seed, hidden=hidden, heads=heads, initializer_range=init)
     target = Target(hf)
@@ -36,8 +51,20 @@ def setup(seed=0, K=3, n_anchors=4, cls=DFlashDraft, cfg_cls=DFlashConfig, predi
     for p in draft.parameters():  # non-trivial norms
         p.data += 0.1 * torch.randn_like(p)
     feats = target(b["input_ids"], b["attention_mask"])
-    batch = make_block_batch(feats, b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"], target.embed_tokens, target.lm_head,
-                             K, c.block_size, c.mask_token_id, target_p=target_p, prev_embeds=prev_embeds)
+    batch = make_block_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        b["attention_mask"],
+        b["anchors"],
+        target.embed_tokens,
+        target.lm_head,
+        K,
+        c.block_size,
+        c.mask_token_id,
+        target_p=target_p,
+        prev_embeds=prev_embeds,
+    )
     return draft, batch, b, target, examples
 
 
@@ -136,7 +163,12 @@ def test_forward_matches_per_block_brute_force(objective, decay):
     for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
     for k in range(K):
-        torch.testing.assert_close(stats["loss_sum"][k], sum((nll for (_, _, kk), (nll, _) in ref.items() if kk == k), torch.tensor(0.0)).detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            stats["loss_sum"][k],
+            sum((nll for (_, _, kk), (nll, _) in ref.items() if kk == k), torch.tensor(0.0)).detach(),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         assert stats["correct"][k] == sum(c for (_, _, kk), (_, c) in ref.items() if kk == k)
 
 
@@ -176,7 +208,9 @@ def test_overfit_tiny_target(objective):
 def test_block_proposer_is_greedy_and_caches_context_exactly():
     """Speculative decoding with a DFlash draft returns the target's greedy tokens, and the
     draft's incrementally extended context k/v equals one computed from scratch."""
-    from models.speculative import BlockProposer, Proposer, TargetRunner, speculative_generate
+    from models.dflash import BlockProposer
+    from models.proposer import Proposer
+    from speculative import TargetRunner, speculative_generate
 
     draft, *_ = setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)
@@ -208,7 +242,9 @@ def save_run(root, draft, hf, strategy):
     step = root / "run" / "ckpt" / "step_3"
     step.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, step / "draft.safetensors")
-    (step / "config.json").write_text(json.dumps({"strategy": strategy, "draft": draft.config.to_dict(), "target": str(tdir)}))
+    (step / "config.json").write_text(
+        json.dumps({"strategy": strategy, "draft": draft.config.to_dict(), "target": str(tdir)})
+    )
     (root / "run" / "ckpt" / "latest").write_text("step_3")
     return root / "run"
 
@@ -236,11 +272,20 @@ def test_export_vllm_format_and_load_back(tmp_path):
     out = export.export(run, tmp_path / "served", dtype="fp32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"]["mask_token_id"] == 5 and cfg["dflash_config"]["target_layer_ids"] == draft.config.aux_layers
+    assert (
+        cfg["dflash_config"]["mask_token_id"] == 5
+        and cfg["dflash_config"]["target_layer_ids"] == draft.config.aux_layers
+    )
     from safetensors.torch import load_file
 
     names = set(load_file(out / "model.safetensors"))
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.1.self_attn.k_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+    } <= names
     assert not any(n.startswith(("lm_head", "embed_tokens")) for n in names)  # vLLM shares the target's
     back, _ = export.load_exported(out)
     assert back.config == draft.config

@@ -2,6 +2,7 @@
 consumers as real processes on a tiny target: a killed producer, a killed and restarted
 consumer, back-pressure, the loss of every producer, two consumer ranks, and the loss curve of
 the colocated run."""
+
 import json
 import os
 import signal
@@ -22,7 +23,18 @@ from tests.test_train_e2e import final_params, run_train
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 7
 # fast heartbeats so that deaths are noticed in seconds; a small window so back-pressure bites
-FAST = ["--heartbeat", "0.2", "--lease-timeout", "2", "--lease-size", "2", "--high-watermark", "8", "--low-watermark", "4"]
+FAST = [
+    "--heartbeat",
+    "0.2",
+    "--lease-timeout",
+    "2",
+    "--lease-size",
+    "2",
+    "--high-watermark",
+    "8",
+    "--low-watermark",
+    "4",
+]
 
 
 # ---------------------------------------------------------------- the control plane
@@ -103,7 +115,9 @@ def test_dead_producer_leases_return_then_budget_fails_the_run(tmp_path):
     assert ctl.lease(other, 1, 8, 4)[0][0] == bad[0][0]
     time.sleep(0.6)
     ctl.lease(ctl.register("producer", "third"), 1, 8, 4)
-    with pytest.raises(PipelineError, match=rf"sample {bad[0][1]} .* leased 2 times.*stopped heartbeating.*--max-attempts 2"):
+    with pytest.raises(
+        PipelineError, match=rf"sample {bad[0][1]} .* leased 2 times.*stopped heartbeating.*--max-attempts 2"
+    ):
         ctl.check()
 
 
@@ -129,7 +143,7 @@ def test_rollback_requeues_untrained_steps(tmp_path):
 
 
 def test_yaml_config_with_overrides(tmp_path):
-    from disagg.config import cli
+    from config import cli
     from train import TrainConfig
 
     y = tmp_path / "run.yaml"
@@ -148,9 +162,33 @@ ARGS = ["--steps", str(STEPS), "--draft-vocab-size", "8192", "--ckpt-every", "2"
 
 
 def train_cmd(out, target, data, extra=()):
-    return [sys.executable, "train.py", "--target", str(target), "--data", str(data), "--out", str(out), "--num-records", "60",
-            "--holdout", "4", "--max-len", "64", "--batch-size", "4", "--ttt-length", "3", "--lr", "1e-3", "--warmup", "2",
-            "--no-progress", *ARGS, *map(str, extra)]
+    return [
+        sys.executable,
+        "train.py",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--num-records",
+        "60",
+        "--holdout",
+        "4",
+        "--max-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--ttt-length",
+        "3",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "2",
+        "--no-progress",
+        *ARGS,
+        *map(str, extra),
+    ]
 
 
 def start(cmd, log, fault=""):
@@ -171,7 +209,11 @@ def wait_until(pred, timeout=600, what="", proc=None, log=None):
 
 
 def worker_pid(ctl_dir, name):
-    row = sqlite3.connect(Path(ctl_dir) / "control.db").execute("SELECT pid FROM workers WHERE name=?", (name,)).fetchone()
+    row = (
+        sqlite3.connect(Path(ctl_dir) / "control.db")
+        .execute("SELECT pid FROM workers WHERE name=?", (name,))
+        .fetchone()
+    )
     return row[0] if row else None
 
 
@@ -241,9 +283,15 @@ def test_killed_consumer_restarts_from_ledger(tmp_path, colocated, tiny_run_inpu
     out, ctl_dir = tmp_path / "run", tmp_path / "ctl"
     roles = ["--control", ctl_dir, "--store", tmp_path / "store", *FAST]
     prod = start(train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log")
-    cons = start(train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c1.log", fault="hang:consumer:2")
-    wait_until(lambda: "[fault] consumer hangs at 2" in (tmp_path / "c1.log").read_text(), what="the consumer to hang", proc=cons,
-               log=tmp_path / "c1.log")
+    cons = start(
+        train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c1.log", fault="hang:consumer:2"
+    )
+    wait_until(
+        lambda: "[fault] consumer hangs at 2" in (tmp_path / "c1.log").read_text(),
+        what="the consumer to hang",
+        proc=cons,
+        log=tmp_path / "c1.log",
+    )
     assert {st for _, st, _ in Controller(ctl_dir).ledger()} == {0, 1, 2}
     cons.kill()
     cons.wait()
@@ -261,10 +309,16 @@ def test_all_producers_dead_fails_in_bounded_time(tmp_path, tiny_run_inputs):
     """Pools started separately: the only producer dies; the consumer notices on its own."""
     out, ctl_dir = tmp_path / "run", tmp_path / "ctl"
     roles = ["--control", ctl_dir, "--store", tmp_path / "store", "--producer-timeout", 15, *FAST]
-    prod = start(train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log", fault="hang:w1:3")
+    prod = start(
+        train_cmd(out, *tiny_run_inputs, ["--role", "producer", *roles]), tmp_path / "p.log", fault="hang:w1:3"
+    )
     cons = start(train_cmd(out, *tiny_run_inputs, ["--role", "consumer", *roles]), tmp_path / "c.log")
-    wait_until(lambda: "[fault] w1 hangs at 3" in (tmp_path / "p.log").read_text(), what="the producer to hang", proc=prod,
-               log=tmp_path / "p.log")
+    wait_until(
+        lambda: "[fault] w1 hangs at 3" in (tmp_path / "p.log").read_text(),
+        what="the producer to hang",
+        proc=prod,
+        log=tmp_path / "p.log",
+    )
     prod.kill()
     t0 = time.time()
     rc = cons.wait(timeout=120)

@@ -1,6 +1,7 @@
 """Domino: batch (prev_embeds), the batched forward / loss / grads against a per-block reference
 that runs the GRU from its equations, the curriculum, overfit on a tiny random target, greedy-exact
 speculation, checkpoint load and the export refusal."""
+
 import pytest
 import torch
 
@@ -72,9 +73,17 @@ def test_forward_matches_per_block_reference(progress, decay):
                 continue
             tokens = batch.labels[i, j].tolist()
             base, final = reference_logits(draft, batch.aux_hidden[i], a, int(b["input_ids"][i, a]), tokens, target)
-            _, served = draft.block_logits(int(b["input_ids"][i, a]), a, draft.context_kv(draft.context(batch.aux_hidden[i : i + 1, :a]), torch.arange(a)[None]),
-                                           target.embed_tokens, target.lm_head.weight, tokens=tokens)
-            torch.testing.assert_close(served, final.detach(), rtol=1e-5, atol=1e-5)  # the teacher-forced inference path
+            _, served = draft.block_logits(
+                int(b["input_ids"][i, a]),
+                a,
+                draft.context_kv(draft.context(batch.aux_hidden[i : i + 1, :a]), torch.arange(a)[None]),
+                target.embed_tokens,
+                target.lm_head.weight,
+                tokens=tokens,
+            )
+            torch.testing.assert_close(
+                served, final.detach(), rtol=1e-5, atol=1e-5
+            )  # the teacher-forced inference path
             for k in range(K):
                 if batch.weights[i, j, k]:
                     nb = torch.logsumexp(base[k], -1) - base[k, tokens[k]]
@@ -91,7 +100,11 @@ def test_forward_matches_per_block_reference(progress, decay):
     torch.testing.assert_close(stats["loss_sum"], nll_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(stats["correct"], correct_k)
     if lam == 0:  # before the ramp the head gets no gradient
-        assert all(g.abs().max() == 0 for (name, _), g in zip(draft.named_parameters(), grads) if name.startswith(("prefix_gru", "embed_proj")))
+        assert all(
+            g.abs().max() == 0
+            for (name, _), g in zip(draft.named_parameters(), grads)
+            if name.startswith(("prefix_gru", "embed_proj"))
+        )
 
 
 def test_overfit_tiny_target():
@@ -103,8 +116,9 @@ def test_overfit_tiny_target():
 
 def test_speculation_is_greedy_exact_and_checkpoint_loads(tmp_path):
     import export
-    from models.speculative import Proposer, TargetRunner, proposer_for, speculative_generate
-    from strategies import load_draft
+    from models.families import load_draft
+    from models.proposer import Proposer
+    from speculative import TargetRunner, proposer_for, speculative_generate
     from tests.tiny import tiny_llama
 
     draft, *_ = domino_setup(seed=5, K=3)

@@ -2,6 +2,7 @@
 nonzero() sync) equal rows chosen on the device, the step compiled as a unit equals eager, the
 prefetcher hands over the right batches, train.py with the compiled target backend and the
 compiled step follows the HF-backend run, and the compiled step on two ranks (FSDP2) follows one."""
+
 import pytest
 import torch
 
@@ -38,7 +39,9 @@ def test_host_rows_equal_device_rows(attention, loss):
     draft, batch, _, ttt = setup(seed=2)
     rows = select_rows(batch.loss_mask, ttt, multiple=16)  # with padding rows
     assert (rows < 0).any()
-    assert_same(loss_and_grads(draft, batch, ttt, attention, loss, rows), loss_and_grads(draft, batch, ttt, attention, loss))
+    assert_same(
+        loss_and_grads(draft, batch, ttt, attention, loss, rows), loss_and_grads(draft, batch, ttt, attention, loss)
+    )
 
 
 def test_compiled_step_equals_eager():
@@ -49,7 +52,10 @@ def test_compiled_step_equals_eager():
     ttt = 2
     rows = select_rows(batch.loss_mask, ttt, multiple=8)
     step = torch.compile(draft)  # (loss "torch", one graph without breaks, runs in the train.py test below)
-    assert_same(loss_and_grads(draft, batch, ttt, "lse", "triton", rows, step), loss_and_grads(draft, batch, ttt, "lse", "triton"))
+    assert_same(
+        loss_and_grads(draft, batch, ttt, "lse", "triton", rows, step),
+        loss_and_grads(draft, batch, ttt, "lse", "triton"),
+    )
 
 
 def test_prefetcher_order_passthrough_and_errors():

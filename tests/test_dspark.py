@@ -2,6 +2,7 @@
 against a per-block plain reference (Markov head and confidence by hand), overfit on data the
 tiny target generated itself, greedy-exact speculation (with and without confidence cuts), and
 the vLLM Qwen3DSparkModel export round trip."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,16 +19,34 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 
 def dspark_setup(seed=0, K=3, **kw):
-    draft, batch, b, target, ex = setup(seed=seed, K=K, cls=DSparkDraft, cfg_cls=DSparkConfig, prediction_offset=0, target_p=True,
-                                        markov_rank=kw.pop("markov_rank", 6), **kw)
+    draft, batch, b, target, ex = setup(
+        seed=seed,
+        K=K,
+        cls=DSparkDraft,
+        cfg_cls=DSparkConfig,
+        prediction_offset=0,
+        target_p=True,
+        markov_rank=kw.pop("markov_rank", 6),
+        **kw,
+    )
     batch.weights = prefix_rows(batch.weights)
     return draft, batch, b, target, ex
 
 
 def test_batch_prefix_rows_and_target_p():
     draft, batch, b, target, _ = dspark_setup(seed=1)
-    raw = make_block_batch(target(b["input_ids"], b["attention_mask"]), b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"],
-                           target.embed_tokens, target.lm_head, draft.K, draft.config.block_size, 5)
+    raw = make_block_batch(
+        target(b["input_ids"], b["attention_mask"]),
+        b["input_ids"],
+        b["loss_mask"],
+        b["attention_mask"],
+        b["anchors"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.K,
+        draft.config.block_size,
+        5,
+    )
     for i, j in zip(*torch.nonzero(batch.anchors > 0, as_tuple=True)):
         expect, alive = [], 1.0
         for k in range(draft.K):
@@ -68,7 +87,9 @@ def test_forward_matches_per_block_reference():
         a, tokens = int(batch.anchors[i, j]), batch.labels[i, j].tolist()
         logits, conf = reference_block(draft, batch.aux_hidden[i], a, int(b["input_ids"][i, a]), tokens, target)
         kv = draft.context_kv(draft.context(batch.aux_hidden[i : i + 1, :a]), torch.arange(a)[None])
-        served, c = draft.block_logits(int(b["input_ids"][i, a]), a, kv, target.embed_tokens, target.lm_head.weight, tokens=tokens)
+        served, c = draft.block_logits(
+            int(b["input_ids"][i, a]), a, kv, target.embed_tokens, target.lm_head.weight, tokens=tokens
+        )
         torch.testing.assert_close(served, logits.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, conf.detach().sigmoid(), rtol=1e-5, atol=1e-6)
         for k in range(K):
@@ -105,8 +126,19 @@ def test_overfit_target_generated_data():
     b = block_host(collate(examples), 6, lambda i: torch.Generator().manual_seed(i))
     c = DSparkConfig.from_target(hf.config, target.aux_layers, 3, mask_token_id=5, num_layers=2, markov_rank=8)
     draft = DSparkDraft(c)
-    batch = make_block_batch(target(b["input_ids"], b["attention_mask"]), b["input_ids"], b["loss_mask"], b["attention_mask"], b["anchors"],
-                             target.embed_tokens, target.lm_head, 3, 3, 5, target_p=True)
+    batch = make_block_batch(
+        target(b["input_ids"], b["attention_mask"]),
+        b["input_ids"],
+        b["loss_mask"],
+        b["attention_mask"],
+        b["anchors"],
+        target.embed_tokens,
+        target.lm_head,
+        3,
+        3,
+        5,
+        target_p=True,
+    )
     batch.weights = prefix_rows(batch.weights)
     losses, acc = overfit(draft, batch, steps=60, lr=5e-3)
     assert losses[-1] < losses[0] / 3, losses[::5]
@@ -115,13 +147,17 @@ def test_overfit_target_generated_data():
 
 @pytest.mark.parametrize("min_survival", [0.0, 0.5])
 def test_speculation_is_greedy_exact(min_survival):
-    from models.speculative import DSparkProposer, Proposer, TargetRunner, proposer_for, speculative_generate
+    from models.dspark import DSparkProposer
+    from models.proposer import Proposer
+    from speculative import TargetRunner, proposer_for, speculative_generate
 
     draft, *_ = dspark_setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)
     runner = TargetRunner(hf, draft.config.aux_layers)
     assert isinstance(proposer_for(draft, hf), DSparkProposer)
-    prop = DSparkProposer(draft, hf.get_input_embeddings(), hf.get_output_embeddings().weight, min_survival=min_survival)
+    prop = DSparkProposer(
+        draft, hf.get_input_embeddings(), hf.get_output_embeddings().weight, min_survival=min_survival
+    )
     prompt = [3, 17, 5, 60, 2, 9, 41]
     ref, _ = speculative_generate(runner, Proposer(), prompt, 30)
     out, st = speculative_generate(runner, prop, prompt, 30)
@@ -147,13 +183,26 @@ def test_export_vllm_format_and_load_back(tmp_path):
     out = export.export(save_run(tmp_path, draft, hf, "dspark"), tmp_path / "served", dtype="fp32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 3 and cfg["markov_rank"] == 6
-    assert cfg["sample_from_anchor"] is True and cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    assert (
+        cfg["sample_from_anchor"] is True
+        and cfg["enable_confidence_head"] is True
+        and cfg["confidence_head_with_markov"] is True
+    )
     assert cfg["draft_vocab_size"] == cfg["vocab_size"] == hf.config.vocab_size
-    assert cfg["dflash_config"]["mask_token_id"] == 5 and cfg["dflash_config"]["target_layer_ids"] == draft.config.aux_layers
+    assert (
+        cfg["dflash_config"]["mask_token_id"] == 5
+        and cfg["dflash_config"]["target_layer_ids"] == draft.config.aux_layers
+    )
     sd = load_file(out / "model.safetensors")
     r, H, V = 6, draft.config.hidden_size, hf.config.vocab_size
-    shapes = {"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r), "confidence_head.proj.weight": (1, H + r),
-              "confidence_head.proj.bias": (1,), "fc.weight": (H, 3 * H), "layers.1.self_attn.q_norm.weight": (draft.config.head_dim,)}
+    shapes = {
+        "markov_head.markov_w1.weight": (V, r),
+        "markov_head.markov_w2.weight": (V, r),
+        "confidence_head.proj.weight": (1, H + r),
+        "confidence_head.proj.bias": (1,),
+        "fc.weight": (H, 3 * H),
+        "layers.1.self_attn.q_norm.weight": (draft.config.head_dim,),
+    }
     assert {k: tuple(sd[k].shape) for k in shapes} == shapes
     assert not any(n.startswith(("lm_head", "embed_tokens", "d2t", "t2d")) for n in sd)
     back, _ = export.load_exported(out)

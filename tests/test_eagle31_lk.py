@@ -1,5 +1,6 @@
 """EAGLE-3.1 (fc_norm, norm_output) and the LK objectives against brute force: every chain drafted
 token by token through a real KV cache, the loss assembled row by row from its definition."""
+
 import json
 
 import pytest
@@ -118,7 +119,9 @@ def test_export_writes_eagle31_fields(tmp_path):
     from safetensors.torch import load_file
 
     sd = load_file(out / "model.safetensors")
-    assert [k for k in sd if k.startswith("fc_norm")] == [f"fc_norm.{i}.weight" for i in range(len(d.config.aux_layers))]
+    assert [k for k in sd if k.startswith("fc_norm")] == [
+        f"fc_norm.{i}.weight" for i in range(len(d.config.aux_layers))
+    ]
     back, _ = export.load_exported(out)
     assert back.config == d31.config
     (l0, _), (l1, _) = draft_outputs(d31), draft_outputs(back)

@@ -1,5 +1,6 @@
 """The TTT forward equals a brute-force reference that drafts autoregressively, step by step,
 for every position, through a real KV cache (what inference does)."""
+
 import pytest
 import torch
 
@@ -22,7 +23,9 @@ def setup(seed=0, draft_vocab=40, ttt=4, **model_kw):
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
     feats = target(batch_t["input_ids"], batch_t["attention_mask"])
-    batch = make_batch(feats, batch_t["input_ids"], batch_t["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids)
+    batch = make_batch(
+        feats, batch_t["input_ids"], batch_t["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids
+    )
     return draft, batch, batch_t["attention_mask"].sum(1).tolist(), ttt
 
 
@@ -82,7 +85,9 @@ def _loss_and_grads(draft, batch, ttt, attention, loss):
     return total, stats, torch.autograd.grad(total, list(draft.parameters()))
 
 
-@pytest.mark.parametrize("attention,loss", [("lse", "torch"), ("eager", "triton"), ("eager", "fused"), ("lse", "fused")])
+@pytest.mark.parametrize(
+    "attention,loss", [("lse", "torch"), ("eager", "triton"), ("eager", "fused"), ("lse", "fused")]
+)
 def test_every_path_matches_reference(attention, loss):
     draft, batch, _, ttt = setup(seed=2)
     ref_total, ref_stats, ref_grads = _loss_and_grads(draft, batch, ttt, "eager", "torch")
@@ -96,7 +101,10 @@ def test_every_path_matches_reference(attention, loss):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex backward and Triton need a GPU")
-@pytest.mark.parametrize("attention,loss", [("flex", "torch"), ("flex", "triton"), ("flex", "fused"), ("flex_buf", "triton"), ("lse", "fused")])
+@pytest.mark.parametrize(
+    "attention,loss",
+    [("flex", "torch"), ("flex", "triton"), ("flex", "fused"), ("flex_buf", "triton"), ("lse", "fused")],
+)
 def test_every_path_matches_reference_cuda(attention, loss):
     draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
     draft = draft.cuda()

@@ -1,5 +1,6 @@
 """CPU smoke of the paper-reproduction sweeps on a tiny random target: each script trains and
 evaluates one run and appends one row, a second call skips it, and plot.py draws every figure."""
+
 import csv
 import json
 import subprocess
@@ -12,8 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(args, timeout=300):
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, f"{args[0]} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 
@@ -24,7 +31,16 @@ def results(tmp_path_factory, tiny_run_inputs):
     target, data = tiny_run_inputs
     res = tmp_path_factory.mktemp("results")
     for study, setting in (("ttt_scaling", "ttt13"), ("moe_drafts", "shared-e4"), ("data_regen", "regenerated")):
-        common = [f"experiments/{study}.py", "--smoke", "--target", str(target), "--csv", str(res / f"{study}.csv"), "--runs-dir", str(res / "runs")]
+        common = [
+            f"experiments/{study}.py",
+            "--smoke",
+            "--target",
+            str(target),
+            "--csv",
+            str(res / f"{study}.csv"),
+            "--runs-dir",
+            str(res / "runs"),
+        ]
         if study != "data_regen":  # data_regen builds its own matched data files
             common += ["--data", str(data)]
         out = run(common)
@@ -33,7 +49,9 @@ def results(tmp_path_factory, tiny_run_inputs):
     return res
 
 
-@pytest.mark.parametrize("study,setting", [("ttt_scaling", "ttt13"), ("moe_drafts", "shared-e4"), ("data_regen", "regenerated")])
+@pytest.mark.parametrize(
+    "study,setting", [("ttt_scaling", "ttt13"), ("moe_drafts", "shared-e4"), ("data_regen", "regenerated")]
+)
 def test_one_row_per_run(results, study, setting):
     rows = list(csv.DictReader(open(results / f"{study}.csv")))
     assert len(rows) == 1
@@ -56,7 +74,9 @@ def test_one_row_per_run(results, study, setting):
         assert r[k], k
     # the evaluation saved each benchmark as it finished, for a cut-off evaluation to resume from
     partial = json.loads((Path(r["run_dir"]) / "eval_partial.json").read_text())["results"]
-    assert {b: partial[b][f"eagle3-chain{r['eval_k']}"]["tau"] for b in ("mtbench", "humaneval", "gsm8k")} == pytest.approx(dict(zip(("mtbench", "humaneval", "gsm8k"), taus)), abs=1e-4)
+    assert {
+        b: partial[b][f"eagle3-chain{r['eval_k']}"]["tau"] for b in ("mtbench", "humaneval", "gsm8k")
+    } == pytest.approx(dict(zip(("mtbench", "humaneval", "gsm8k"), taus)), abs=1e-4)
 
 
 def test_matched_data_are_the_same_chats(results):
@@ -65,14 +85,32 @@ def test_matched_data_are_the_same_chats(results):
     regen = [json.loads(x) for x in open(d / "regen.jsonl")]
     assert [o["id"] for o in orig] == [r["id"] for r in regen]
     for o, r in zip(orig, regen):
-        assert [m for m in o["messages"] if m["role"] != "assistant"] == [m for m in r["messages"] if m["role"] != "assistant"]
+        assert [m for m in o["messages"] if m["role"] != "assistant"] == [
+            m for m in r["messages"] if m["role"] != "assistant"
+        ]
         assert [m["role"] for m in o["messages"]] == [m["role"] for m in r["messages"]]
-    assert sum(a != b for o, r in zip(orig, regen) for a, b in zip(o["messages"], r["messages"])) > 0  # the answers differ
+    assert (
+        sum(a != b for o, r in zip(orig, regen) for a, b in zip(o["messages"], r["messages"])) > 0
+    )  # the answers differ
 
 
 def test_plots(results, tmp_path):
-    row = {"model": "tiny-llama", "backend": "hf", "seq": 64, "batch": 2, "ttt": 3, "tokens_per_s": 100.0, "target_fwd_s": 0.1,
-           "make_batch_s": 0.01, "draft_fwd_s": 0.1, "draft_bwd_s": 0.2, "optim_s": 0.01, "device": "cpu", "torch": "x", "date": "2026"}
+    row = {
+        "model": "tiny-llama",
+        "backend": "hf",
+        "seq": 64,
+        "batch": 2,
+        "ttt": 3,
+        "tokens_per_s": 100.0,
+        "target_fwd_s": 0.1,
+        "make_batch_s": 0.01,
+        "draft_fwd_s": 0.1,
+        "draft_bwd_s": 0.2,
+        "optim_s": 0.01,
+        "device": "cpu",
+        "torch": "x",
+        "date": "2026",
+    }
     (results / "throughput_h200.jsonl").write_text(json.dumps(row) + "\n")
     figs = tmp_path / "figures"
     out = run(["experiments/plot.py", "--results", str(results), "--figures", str(figs)])
@@ -84,8 +122,23 @@ def test_plots(results, tmp_path):
 def test_parallel_runs(tiny_run_inputs, tmp_path):
     """--parallel 2: two trainings at once, one row each, and a second call skips both."""
     target, data = tiny_run_inputs
-    common = ["experiments/ttt_scaling.py", "--smoke", "--only", "ttt1", "ttt2", "--parallel", "2", "--target", str(target),
-              "--data", str(data), "--csv", str(tmp_path / "t.csv"), "--runs-dir", str(tmp_path / "runs")]
+    common = [
+        "experiments/ttt_scaling.py",
+        "--smoke",
+        "--only",
+        "ttt1",
+        "ttt2",
+        "--parallel",
+        "2",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--csv",
+        str(tmp_path / "t.csv"),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
     out = run(common)
     assert "ttt1 seed 0: tau" in out and "ttt2 seed 0: tau" in out
     rows = list(csv.DictReader(open(tmp_path / "t.csv")))
@@ -97,8 +150,20 @@ def test_parallel_runs(tiny_run_inputs, tmp_path):
 def test_train_args_string_reaches_train_py(tiny_run_inputs, tmp_path):
     """--train-args is one shell-split string: flags that start with -- survive tyro."""
     target, data = tiny_run_inputs
-    out = run(["experiments/ttt_scaling.py", "--smoke", "--dry-run", "--target", str(target), "--data", str(data),
-               "--train-args=--pad-to-max-len --attention eager", "--csv", str(tmp_path / "t.csv")])
+    out = run(
+        [
+            "experiments/ttt_scaling.py",
+            "--smoke",
+            "--dry-run",
+            "--target",
+            str(target),
+            "--data",
+            str(data),
+            "--train-args=--pad-to-max-len --attention eager",
+            "--csv",
+            str(tmp_path / "t.csv"),
+        ]
+    )
     assert "--pad-to-max-len --attention eager --ttt-length 13" in out
 
 
@@ -111,8 +176,15 @@ def test_reply_stats(tmp_path):
     assert data_regen.repetition("a b c d a b c d") == pytest.approx(1 / 5)  # 5 four-grams, abcd twice
     assert data_regen.repetition("one two three") == 0.0  # shorter than one 4-gram
     loop = " ".join(["I am here to help."] * 20)
-    chats = [{"messages": [{"role": "user", "content": "x " * 50}, {"role": "assistant", "content": loop}]},
-             {"messages": [{"role": "user", "content": "y"}, {"role": "assistant", "content": " ".join(map(str, range(30)))}]}]
+    chats = [
+        {"messages": [{"role": "user", "content": "x " * 50}, {"role": "assistant", "content": loop}]},
+        {
+            "messages": [
+                {"role": "user", "content": "y"},
+                {"role": "assistant", "content": " ".join(map(str, range(30)))},
+            ]
+        },
+    ]
     f = tmp_path / "m.jsonl"
     f.write_text("".join(json.dumps(c) + "\n" for c in chats))
     s = data_regen.reply_stats(f)

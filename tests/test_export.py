@@ -1,6 +1,7 @@
 """export.py: training checkpoint -> serving dir -> back, bit for bit (fp32), with the names,
 shapes and config fields vLLM's EAGLE-3 loader (vllm 0.32, models/llama_eagle3.py) reads, the
 per-engine aux layer ids, and loud failures on broken checkpoints."""
+
 import json
 import re
 
@@ -74,7 +75,13 @@ def test_bf16_default_dtypes(tmp_path):
 
 
 # what vLLM 0.32's Eagle3LlamaForCausalLM.load_weights does to checkpoint names
-_VLLM_STACKED = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
+_VLLM_STACKED = {
+    ".q_proj": ".qkv_proj",
+    ".k_proj": ".qkv_proj",
+    ".v_proj": ".qkv_proj",
+    ".gate_proj": ".gate_up_proj",
+    ".up_proj": ".gate_up_proj",
+}
 
 
 def vllm_param_names(names):
@@ -94,10 +101,17 @@ def vllm_param_names(names):
 
 
 VLLM_PARAMS = {  # the parameters of Eagle3LlamaForCausalLM for a 1-layer draft with draft_vocab < V
-    "model.fc.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight",
-    "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.qkv_proj.weight",
-    "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
-    "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
+    "model.fc.weight",
+    "model.layers.0.input_layernorm.weight",
+    "model.layers.0.hidden_norm.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight",
+    "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    "draft_id_to_target_id",
 }
 
 
@@ -175,7 +189,10 @@ def _rewrite(step, fn):
         (lambda sd: sd.update({"d2t": sd["d2t"].int()}), r"d2t has dtype"),
         (lambda sd: sd.update({"d2t": torch.zeros_like(sd["d2t"])}), r"t2d does not mark"),
         (lambda sd: sd.update({"d2t": sd["d2t"] + 10_000}), r"d2t does not map"),
-        (lambda sd: sd.update({"norm.weight": torch.full_like(sd["norm.weight"], float("nan"))}), r"norm.weight is not a finite"),
+        (
+            lambda sd: sd.update({"norm.weight": torch.full_like(sd["norm.weight"], float("nan"))}),
+            r"norm.weight is not a finite",
+        ),
         (lambda sd: sd.update({"extra.weight": torch.zeros(3)}), r"unexpected \['extra.weight'\]"),
     ],
 )

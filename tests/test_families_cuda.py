@@ -2,6 +2,7 @@
 (torch 2.13), so its gradients are compared with the dense path's here, on the H200
 (`pytest -m cuda tests/test_families_cuda.py` through the device tool). fp32, tiny random target;
 the batches are built on the CPU exactly as the CPU tests build them, then moved."""
+
 import dataclasses
 
 import pytest
@@ -11,8 +12,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 def to_cuda(batch):
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).cuda() for f in dataclasses.fields(batch)
-                                         if torch.is_tensor(getattr(batch, f.name))})
+    return dataclasses.replace(
+        batch,
+        **{
+            f.name: getattr(batch, f.name).cuda()
+            for f in dataclasses.fields(batch)
+            if torch.is_tensor(getattr(batch, f.name))
+        },
+    )
 
 
 def loss_and_grads(draft, run):
@@ -39,7 +46,10 @@ def test_dflash_flex_gradients_equal_dense(objective):
     draft, batch, *_ = setup(seed=3, K=3, hidden=64, heads=4, n_examples=4, max_len=150)
     draft, batch = draft.cuda(), to_cuda(batch)
     counts = block_counts(batch)
-    runs = [loss_and_grads(draft, lambda a=a: draft(batch, counts, objective=objective, attention=a)) for a in ("dense", "flex")]
+    runs = [
+        loss_and_grads(draft, lambda a=a: draft(batch, counts, objective=objective, attention=a))
+        for a in ("dense", "flex")
+    ]
     assert_same(*runs)
 
 

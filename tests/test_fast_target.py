@@ -2,6 +2,7 @@
 normed) on tiny random Llama (llama3 rope scaling, GQA), Qwen2 (q/k/v biases), Qwen3 (q/k norm)
 and Qwen3-MoE (mixed dense/sparse layers) models: padded batches, packed rows, whole rows,
 the MoE fallback, loading from a safetensors directory, early stop, and compiled layers."""
+
 import os
 import subprocess
 import sys
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.fast_target import PRESETS, FastTarget, TargetConfig, pack_documents, rope_inv_freq
+from data.chat import Example
+from data.packing import pack
+from models.fast_target import PRESETS, FastTarget, TargetConfig
+from models.layers import rope_inv_freq
 from models.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,12 +24,29 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest va
 def hf_model(kind: str, seed=0):
     import transformers as tf
 
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if kind == "llama":  # llama3 scaling with a short original context, so all three bands are hit
-        cfg = tf.LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 32})
+        cfg = tf.LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     elif kind == "llama_tied":
         cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True, "num_key_value_heads": 4})
     elif kind == "qwen2":
@@ -33,8 +54,15 @@ def hf_model(kind: str, seed=0):
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common)
     elif kind == "qwen3_moe":  # layers 1, 3 sparse (step 2), 5 forced dense
-        cfg = tf.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                                norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[5])
+        cfg = tf.Qwen3MoeConfig(
+            **common,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            mlp_only_layers=[5],
+        )
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -83,7 +111,7 @@ def test_packed_rows_match_separate_sequences(kind):
     lengths = [23, 40, 7, 31, 12, 5]
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, hf.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    packed = pack_documents(docs, row_len=48)
+    packed = pack([Example(d, [1] * len(d)) for d in docs], row_len=48)
     assert packed["input_ids"].shape[0] < len(docs)  # several documents share a row
     f = fast(packed["input_ids"], doc_ids=packed["doc_ids"])
     pos = packed["position_ids"]
@@ -167,8 +195,10 @@ def test_compiled_layers_match_eager_per_cpu_capability(capability, tmp_path):
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     if capability == "default":
         env["ATEN_CPU_CAPABILITY"] = "default"
-    code = ("import torch, tests.test_fast_target as t; print(torch.backends.cpu.get_cpu_capability(), flush=True); "
-            "t.check_compiled_matches_eager(['llama'], whole_rows=False)")
+    code = (
+        "import torch, tests.test_fast_target as t; print(torch.backends.cpu.get_cpu_capability(), flush=True); "
+        "t.check_compiled_matches_eager(['llama'], whole_rows=False)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert (r.stdout.split()[0] == "DEFAULT") == (capability == "default"), r.stdout
@@ -184,11 +214,23 @@ def test_random_init_and_presets():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_hf, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
-    torch.testing.assert_close(rope_inv_freq(c.rope_parameters, c.head_dim), inv_hf, rtol=0, atol=0)
-    assert scale == 1.0
-    tiny = TargetConfig.from_dict({**PRESETS["qwen3-30b-a3b"], "hidden_size": 32, "num_hidden_layers": 3,
-                                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                   "vocab_size": 50, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    inv, our_scale = rope_inv_freq(c)
+    torch.testing.assert_close(inv, inv_hf, rtol=0, atol=0)
+    assert scale == our_scale == 1.0
+    tiny = TargetConfig.from_dict(
+        {
+            **PRESETS["qwen3-30b-a3b"],
+            "hidden_size": 32,
+            "num_hidden_layers": 3,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "vocab_size": 50,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+        }
+    )
     t = FastTarget.from_config(tiny, [0, 1], dtype=torch.float32, device="cpu")
     assert not any(p.is_meta for p in t.parameters())
     std = t.model.layers[0].mlp.experts.gate_up_proj.std().item()

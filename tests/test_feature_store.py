@@ -1,5 +1,6 @@
 """FeatureStore: round trip, atomic commits (a crash leaves no shard), damaged or mismatched
 shards fail naming the file, delete, concurrent writers."""
+
 import json
 import os
 import subprocess
@@ -15,18 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def schema(aux_layers=(1, 2, 3), hidden=8, dtype=torch.float32):
-    return feature_schema({"fingerprint": "abc", "model_type": "llama", "num_layers": 5, "hidden_size": hidden,
-                           "vocab_size": 100}, list(aux_layers), hidden, dtype, {"num_examples": 3})
+    return feature_schema(
+        {"fingerprint": "abc", "model_type": "llama", "num_layers": 5, "hidden_size": hidden, "vocab_size": 100},
+        list(aux_layers),
+        hidden,
+        dtype,
+        {"num_examples": 3},
+    )
 
 
 def samples(lengths, hidden=8, n_aux=3, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{
-        "input_ids": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
-        "loss_mask": (torch.rand(n, generator=g) < 0.5).to(torch.uint8),
-        "aux_hidden": torch.randn(n, n_aux * hidden, generator=g).to(dtype),
-        "final_hidden": torch.randn(n, hidden, generator=g).to(dtype),
-    } for n in lengths]
+    return [
+        {
+            "input_ids": torch.randint(0, 100, (n,), generator=g, dtype=torch.int32),
+            "loss_mask": (torch.rand(n, generator=g) < 0.5).to(torch.uint8),
+            "aux_hidden": torch.randn(n, n_aux * hidden, generator=g).to(dtype),
+            "final_hidden": torch.randn(n, hidden, generator=g).to(dtype),
+        }
+        for n in lengths
+    ]
 
 
 def pack(ss):
@@ -132,14 +141,20 @@ def test_mismatched_shard_is_named(tmp_path):
     other = FeatureStore(tmp_path / "b", schema(aux_layers=(0, 2, 3)))
     other.put("k", samples([4])[0], samples=[(0, 4)])
     (store.dir / "k.safetensors").write_bytes(_shard(other, "k").read_bytes())  # a copy in the wrong store
-    with pytest.raises(StoreError, match=r"shard .*a/shards/k.safetensors: written for a different store schema \(aux_layers"):
+    with pytest.raises(
+        StoreError, match=r"shard .*a/shards/k.safetensors: written for a different store schema \(aux_layers"
+    ):
         store.get("k")
 
     from safetensors.torch import save_file
 
     s = samples([4])[0]
     header = {"schema": store.schema, "writer": "x", "meta": {}, "samples": [[0, 4]]}
-    save_file({k: v for k, v in s.items() if k != "final_hidden"}, store.dir / "m.safetensors", metadata={"nanospec": json.dumps(header)})
+    save_file(
+        {k: v for k, v in s.items() if k != "final_hidden"},
+        store.dir / "m.safetensors",
+        metadata={"nanospec": json.dumps(header)},
+    )
     with pytest.raises(StoreError, match=r"m.safetensors: missing tensor 'final_hidden'"):
         store.get("m")
     header["samples"] = [[0, 5]]  # rows do not add up
@@ -226,9 +241,15 @@ def test_bytes_damaged_in_place_fail_the_checksum(tmp_path, monkeypatch, algo):
     assert "k" in store
     ids = store.read(ref, ["input_ids", "loss_mask"])  # undamaged tensors read
     assert torch.equal(ids["input_ids"], s["input_ids"])
-    for op in (lambda: store.read(ref), lambda: store.read(ref, ["aux_hidden"]), lambda: store.get("k"),
-               lambda: store.verify("k")):
-        with pytest.raises(StoreError, match=rf"shard {path}: the bytes of tensor 'aux_hidden' do not match the checksum"):
+    for op in (
+        lambda: store.read(ref),
+        lambda: store.read(ref, ["aux_hidden"]),
+        lambda: store.get("k"),
+        lambda: store.verify("k"),
+    ):
+        with pytest.raises(
+            StoreError, match=rf"shard {path}: the bytes of tensor 'aux_hidden' do not match the checksum"
+        ):
             op()
     assert path.read_bytes() == bytes(raw)  # nothing deleted or rewritten
     # a rewritten shard (another file under the same key) is checked afresh, and reads again

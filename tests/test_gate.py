@@ -1,6 +1,7 @@
 """gate.py end to end (slow: overfit through train.py, export, vLLM CPU), and its failures on
 broken checkpoints: d2t removed fails at export, a scrambled fc fails at serve on acceptance.
 The vLLM virtualenv (.venv-vllm) is created by the gate when missing (several minutes)."""
+
 import json
 import shutil
 import subprocess
@@ -15,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_gate(*args, timeout=1500):
-    p = subprocess.run([sys.executable, str(ROOT / "gate.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "gate.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     return p.returncode, p.stdout + p.stderr
 
 

@@ -1,7 +1,6 @@
 """models/generate.SlotGenerator (continuous batching on the compiled target's layers) against
 HF's own greedy decoding, one prompt at a time: same tokens, whatever the slot count, the sync
 interval and the order requests arrive in; capture.py regenerate --engine slots == --engine hf."""
-import json
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ from tests.test_fast_target import hf_model
 
 
 def hf_greedy(model, prompt, max_new, eos):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0)[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     cut = next((j for j, t in enumerate(out) if t in eos), None)
     return out[:cut] if cut is not None else out, cut is None and len(out) >= max_new
 
@@ -38,8 +38,15 @@ def test_greedy_equals_hf_generate(kind, slots, sync):
     eos = [free_run[6], 1000]  # so that some rows stop early (the second id never occurs)
     want = {i: hf_greedy(hf, p, 20, eos) for i, p in enumerate(prompts)}
     assert any(not hit for _, hit in want.values())
-    gen = SlotGenerator(FastTarget.from_hf_model(hf), slots=slots, max_prompt_len=32, max_new_tokens=20,
-                        stop_ids=eos, sync_every=sync, prefill_tokens=40)
+    gen = SlotGenerator(
+        FastTarget.from_hf_model(hf),
+        slots=slots,
+        max_prompt_len=32,
+        max_new_tokens=20,
+        stop_ids=eos,
+        sync_every=sync,
+        prefill_tokens=40,
+    )
     assert run_all(gen, prompts) == want
 
 
@@ -57,7 +64,9 @@ def test_sampling_filters():
 
 
 def test_prompt_limits():
-    gen = SlotGenerator(FastTarget.from_hf_model(hf_model("llama")), slots=2, max_prompt_len=8, max_new_tokens=4, stop_ids=[0])
+    gen = SlotGenerator(
+        FastTarget.from_hf_model(hf_model("llama")), slots=2, max_prompt_len=8, max_new_tokens=4, stop_ids=[0]
+    )
     with pytest.raises(ValueError, match="1..8"):
         gen.add("x", list(range(9)))
     with pytest.raises(ValueError):

@@ -7,6 +7,7 @@ may import triton first. So the Triton-path tests run in a child pytest started 
 TRITON_INTERPRET=1 (test_triton_path_under_interpreter); this process runs the plain-torch
 path, which is what CPU training uses.
 """
+
 import os
 import re
 import subprocess
@@ -78,7 +79,9 @@ def _data(N, V, dtype, seed=0, masked="some"):
 
 def _check(got_loss, got_grad, want_loss, want_grad, dtype):
     tol = TOL[dtype]
-    torch.testing.assert_close(got_loss.float(), want_loss.float(), atol=tol["atol"] * max(1.0, want_loss.abs().item()), rtol=tol["rtol"])
+    torch.testing.assert_close(
+        got_loss.float(), want_loss.float(), atol=tol["atol"] * max(1.0, want_loss.abs().item()), rtol=tol["rtol"]
+    )
     assert got_grad.dtype == dtype
     torch.testing.assert_close(got_grad.float(), want_grad.float(), **tol)
 

@@ -4,6 +4,7 @@ document masks too), the real (compiled) Triton cross-entropy and the fused line
 bf16 results are judged against an fp32 computation on the same bf16-rounded inputs: a
 kernel must be about as accurate as the eager bf16 reference (error <= 2x eager's + slack).
 """
+
 import pytest
 import torch
 
@@ -106,7 +107,10 @@ def test_ttt_attention_flex_document_grads(impl, T, k):
 
     doc = _packed_doc_ids(T)
     g = torch.Generator(device="cuda").manual_seed(2)
-    mk = lambda h: torch.randn(2, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+
+    def mk(h):
+        return torch.randn(2, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+
     q, ks, vs = mk(8), [mk(2) for _ in range(k + 1)], [mk(2) for _ in range(k + 1)]
 
     def flex(q, ks, vs, doc_ids):
@@ -213,7 +217,10 @@ def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
     weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
     _, p, mask = _ce_data(N, V, dtype, seed=4)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    h2, w2 = hidden.float().clone().requires_grad_(), weight.float().clone().requires_grad_()  # fp32 truth (clone: .float() aliases fp32 inputs)
+    h2, w2 = (
+        hidden.float().clone().requires_grad_(),
+        weight.float().clone().requires_grad_(),
+    )  # fp32 truth (clone: .float() aliases fp32 inputs)
     h3, w3 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()  # eager, same dtype
     loss, argmax = fused_linear_soft_ce(h1, w1, p, mask, chunk_size=chunk)
     loss.backward()
@@ -232,7 +239,10 @@ def test_ttt_flex_buffer_unroll_grads(T, n):
     from kernels.ttt_attention import TTTFlexAttention, ttt_attention_flex
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    mk = lambda h: torch.randn(1, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()  # noqa: E731
+
+    def mk(h):
+        return torch.randn(1, h, T, 64, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+
     qs, ks, vs = [mk(8) for _ in range(n)], [mk(2) for _ in range(n)], [mk(2) for _ in range(n)]
     douts = [torch.randn(1, 8, T, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(n)]
 

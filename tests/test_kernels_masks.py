@@ -117,8 +117,10 @@ def case_dflash_packed(T, n=3, bs=5):
             return s_row[blk] <= kv < a_row[blk]
         return (kv - T) // bs == blk
 
-    brute = [[[allowed(a_row, s_row, q, kv) for kv in range(T + n * bs)] for q in range(n * bs)]
-             for a_row, s_row in zip(anchors.tolist(), starts.tolist())]
+    brute = [
+        [[allowed(a_row, s_row, q, kv) for kv in range(T + n * bs)] for q in range(n * bs)]
+        for a_row, s_row in zip(anchors.tolist(), starts.tolist())
+    ]
     return dflash_mask(T, bs, anchors, starts=starts), brute, n * bs, T + n * bs
 
 

@@ -1,4 +1,5 @@
 """data/loops.py against a brute-force search, on random sequences with planted loops."""
+
 import random
 
 from data.loops import loop_cut

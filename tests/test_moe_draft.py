@@ -1,21 +1,34 @@
-"""MoE draft MLP (models/eagle3.py MoEMLP): forward and every gradient against a per-token loop,
+"""MoE draft MLP (models/moe.py MoEMLP): forward and every gradient against a per-token loop,
 the parameter / FLOPs equalities that define the ablation's settings, the load-balancing loss,
 the TTT forward against the brute-force drafter, an overfit run, and export's refusal."""
+
 import json
 
 import pytest
 import torch
 
-from models.eagle3 import Eagle3Config, Eagle3Draft, MoEMLP, local_counts, make_batch, mlp_flops_per_token, moe_expert_size, param_count
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch
+from models.layers import param_count
+from models.moe import MoEMLP, mlp_flops_per_token, moe_expert_size
 
 H, I = 24, 48  # I divides by 2, 3, 4 and 5
 
 
 def config(**kw) -> Eagle3Config:
     return Eagle3Config(
-        hidden_size=H, intermediate_size=I, num_attention_heads=4, num_key_value_heads=2, head_dim=6, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=128, vocab_size=50,
-        draft_vocab_size=20, target_hidden_size=H, aux_layers=[0, 1, 2], **kw,
+        hidden_size=H,
+        intermediate_size=I,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=6,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=128,
+        vocab_size=50,
+        draft_vocab_size=20,
+        target_hidden_size=H,
+        aux_layers=[0, 1, 2],
+        **kw,
     )
 
 
@@ -33,7 +46,13 @@ def reference(mlp: MoEMLP, x_NH):
     return torch.stack(out)
 
 
-SETTINGS = [(2, 1, False, "params"), (3, 1, False, "flops"), (4, 2, True, "flops"), (3, 1, True, "params"), (4, 1, True, "flops")]
+SETTINGS = [
+    (2, 1, False, "params"),
+    (3, 1, False, "flops"),
+    (4, 2, True, "flops"),
+    (3, 1, True, "params"),
+    (4, 1, True, "flops"),
+]
 
 
 @pytest.mark.parametrize("E,k,shared,mode", SETTINGS)

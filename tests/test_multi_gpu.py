@@ -1,6 +1,7 @@
 """experiments/multi_gpu.py's bookkeeping, without running train.py: the timing read back from a
 metrics.jsonl written the way train.py writes it, the parity verdict, and bad phase names.
-(The whole runner on tiny models: `python experiments/multi_gpu.py all --cpu-smoke --out-dir DIR`, minutes.)"""
+(The whole runner on tiny models: `python experiments/multi_gpu.py all --cpu-smoke --out DIR`, minutes.)"""
+
 import statistics
 
 import pytest
@@ -33,7 +34,10 @@ def test_throughput_drops_warmup_and_counts_real_tokens():
 
 
 def test_throughput_of_a_run_killed_early():
-    assert throughput(fake_metrics([90.0, 3.0, 2.0], [10, 10, 10]), 8, 4096, warmup=4) == {"steps_logged": 3, "losses": [10.0, 9.0, 8.0]}
+    assert throughput(fake_metrics([90.0, 3.0, 2.0], [10, 10, 10]), 8, 4096, warmup=4) == {
+        "steps_logged": 3,
+        "losses": [10.0, 9.0, 8.0],
+    }
     assert throughput([], 8, 4096, warmup=4) == {"steps_logged": 0, "losses": []}
 
 
@@ -48,16 +52,18 @@ def test_loss_parity():
 
 def test_bad_phase_fails_clearly(capsys, tmp_path):
     with pytest.raises(SystemExit):
-        main(["dp", "fsdp8", "--out-dir", str(tmp_path)])
-    assert "unknown phase(s) ['fsdp8']" in capsys.readouterr().err
+        main(["dp", "fsdp8", "--out", str(tmp_path)])
+    assert "invalid choice 'fsdp8'" in capsys.readouterr().err
 
 
 def test_predict_8gpu_from_2gpu_rows():
-    rows = [{"what": "dp_scaling", "speedup_real_tokens": 1.2, "tokens_per_s_1gpu": 10.0},  # an older call: superseded
-            {"what": "dp_scaling", "speedup_real_tokens": 1.9, "tokens_per_s_1gpu": 1000.0},
-            {"what": "tp_vs_dp", "tokens_per_s": 3000.0, "tokens_per_s_dp": 5000.0},
-            {"what": "disagg_1p1c", "tokens_per_s": 2000.0, "producer_util": 50.0},
-            {"what": "predict_8gpu", "predicted": True, "fsdp8_8b_tokens_per_s": [1, 2]}]
+    rows = [
+        {"what": "dp_scaling", "speedup_real_tokens": 1.2, "tokens_per_s_1gpu": 10.0},  # an older call: superseded
+        {"what": "dp_scaling", "speedup_real_tokens": 1.9, "tokens_per_s_1gpu": 1000.0},
+        {"what": "tp_vs_dp", "tokens_per_s": 3000.0, "tokens_per_s_dp": 5000.0},
+        {"what": "disagg_1p1c", "tokens_per_s": 2000.0, "producer_util": 50.0},
+        {"what": "predict_8gpu", "predicted": True, "fsdp8_8b_tokens_per_s": [1, 2]},
+    ]
     p = predict_8gpu(rows)
     assert p["fsdp8_8b_tokens_per_s"] == [round(8000 * 0.95**3), 7600]
     assert p["tp4x2_qwen_tokens_per_s"] == [6000, 12000] and p["dp8_qwen_tokens_per_s"] == 19000

@@ -4,6 +4,7 @@ compiled targets' attention and rope, and EAGLE-3's TTT attention, loss masks an
 and objective, and perturbing one document changes nothing for its row-mates. train.py: packed
 == unpacked on the same conversations, families that cannot pack refuse it, run.json records
 the packing efficiency, metrics.jsonl the throughput."""
+
 import json
 
 import pytest
@@ -36,7 +37,10 @@ def test_pack_layout():
     for i, e in enumerate(ex):
         r, s = b["where"][i].tolist()
         n = len(e.input_ids)
-        assert b["input_ids"][r, s : s + n].tolist() == e.input_ids and b["loss_mask"][r, s : s + n].tolist() == e.loss_mask
+        assert (
+            b["input_ids"][r, s : s + n].tolist() == e.input_ids
+            and b["loss_mask"][r, s : s + n].tolist() == e.loss_mask
+        )
         assert b["position_ids"][r, s : s + n].tolist() == list(range(n))
         assert len(set(b["doc_ids"][r, s : s + n].tolist())) == 1
     for r in range(R):
@@ -99,8 +103,10 @@ def test_compiled_target_takes_packed_batches():
     hf = hf_model("llama", seed=2)
     ref_t, fast = Target(hf, [0, 3]), FastTarget.from_hf_model(hf, [0, 3])
     b = pack(_docs([9, 30, 17, 4], hf.config.vocab_size, seed=5), row_len=40)
-    f, ref = fast(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]), ref_t(
-        b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+    f, ref = (
+        fast(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]),
+        ref_t(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]),
+    )
     real = b["attention_mask"].bool()
     tol = dict(rtol=1e-5, atol=1e-5 * max(1.0, ref.final_hidden.abs().max().item()))
     torch.testing.assert_close(f.aux_hidden[real], ref.aux_hidden[real], **tol)
@@ -127,10 +133,21 @@ def _draft_setup(fc_norm=False, norm_output=False, seed=0):
 
 
 def _step(target, draft, b, attention, objective, host_rows):
-    feats = target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]) if "doc_ids" in b else target(
-        b["input_ids"], b["attention_mask"])
-    batch = make_batch(feats, b["input_ids"], b["loss_mask"], target.embed_tokens, target.lm_head, draft.draft_ids,
-                       b.get("doc_ids"), b.get("position_ids"))
+    feats = (
+        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+        if "doc_ids" in b
+        else target(b["input_ids"], b["attention_mask"])
+    )
+    batch = make_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        b.get("doc_ids"),
+        b.get("position_ids"),
+    )
     counts = local_counts(batch, draft.t2d, K)
     rows = select_rows(b["loss_mask"], K, doc_ids_BT=b.get("doc_ids")) if host_rows else None
     draft.zero_grad()
@@ -139,10 +156,17 @@ def _step(target, draft, b, attention, objective, host_rows):
     return loss.detach(), stats, counts, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attention,objective,host_rows,v31", [
-    ("eager", "kl", False, False), ("lse", "kl", False, False), ("lse", "kl", True, False),
-    ("lse", "lk-alpha", False, False), ("eager", "lk-lambda", True, False), ("lse", "kl", False, True),
-])
+@pytest.mark.parametrize(
+    "attention,objective,host_rows,v31",
+    [
+        ("eager", "kl", False, False),
+        ("lse", "kl", False, False),
+        ("lse", "kl", True, False),
+        ("lse", "lk-alpha", False, False),
+        ("eager", "lk-lambda", True, False),
+        ("lse", "kl", False, True),
+    ],
+)
 def test_eagle3_packed_equals_one_conversation_per_row(attention, objective, host_rows, v31):
     """Same conversations packed and one per row: same loss, per-step sums, accuracies, counts and gradients
     (CPU paths eager / lse, device-side and host-chosen rows, the KL and LK objectives, EAGLE-3.1 options)."""
@@ -203,11 +227,29 @@ def test_eagle3_row_mates_unaffected():
 def _peagle_step(target, draft, b, attention="dense", grad=True):
     from models.peagle import make_peagle_batch, peagle_counts, peagle_host
 
-    b = peagle_host(dict(b), draft.K, lambda i: torch.Generator().manual_seed(100 + i))  # per example, as train.py seeds them
-    feats = target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]) if "doc_ids" in b else target(
-        b["input_ids"], b["attention_mask"])
-    batch = make_peagle_batch(feats, b["input_ids"], b["loss_mask"], b["pe_pos"], b["pe_depth"], b["pe_doc"], target.embed_tokens,
-                              target.lm_head, draft.draft_ids, draft.t2d, draft.config.mask_token_id, b["pe_start"], b["pe_end"])
+    b = peagle_host(
+        dict(b), draft.K, lambda i: torch.Generator().manual_seed(100 + i)
+    )  # per example, as train.py seeds them
+    feats = (
+        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+        if "doc_ids" in b
+        else target(b["input_ids"], b["attention_mask"])
+    )
+    batch = make_peagle_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        b["pe_pos"],
+        b["pe_depth"],
+        b["pe_doc"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        draft.t2d,
+        draft.config.mask_token_id,
+        b["pe_start"],
+        b["pe_end"],
+    )
     counts = peagle_counts(batch, draft.K)
     draft.zero_grad()
     with torch.set_grad_enabled(grad):
@@ -243,15 +285,18 @@ def test_peagle_packed_equals_one_conversation_per_row():
     torch.testing.assert_close(fb[0], b[0], rtol=1e-4, atol=1e-5)
 
 
-# ---------------------------------------------------------------- every family through its strategy (what train.py runs)
+# ------------------------------------------------------------ every family through its strategy (what train.py runs)
 def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
 
-    s = STRATEGIES[name]
+    s = FAMILIES[name]
     b = s.host(dict(b), cfg, device, 3)  # draws seeded by (seed, key, example index), as in train.py
     b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
-    feats = target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"]) if "doc_ids" in b else target(
-        b["input_ids"], b["attention_mask"])
+    feats = (
+        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+        if "doc_ids" in b
+        else target(b["input_ids"], b["attention_mask"])
+    )
     batch = s.make_batch(feats, b, target, draft)
     counts = s.counts(batch, draft, cfg)
     draft.zero_grad()
@@ -260,10 +305,17 @@ def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
     return loss.detach(), stats, counts, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
-FAMILIES = [("eagle3", "kl"), ("peagle", "kl"), ("dflash", "ce"), ("dflash", "dpace"), ("domino", "ce"), ("dspark", "ce-l1-conf")]
+OBJECTIVES = [
+    ("eagle3", "kl"),
+    ("peagle", "kl"),
+    ("dflash", "ce"),
+    ("dflash", "dpace"),
+    ("domino", "ce"),
+    ("dspark", "ce-l1-conf"),
+]
 
 
-@pytest.mark.parametrize("strategy,objective", FAMILIES)
+@pytest.mark.parametrize("strategy,objective", OBJECTIVES)
 def test_every_family_packed_equals_one_conversation_per_row(strategy, objective):
     """Each family that packs, through its strategy's host / make_batch / counts / step: the same conversations
     packed and one per row give the same loss, per-position sums, accuracies, counts and gradients (CPU:
@@ -273,7 +325,7 @@ def test_every_family_packed_equals_one_conversation_per_row(strategy, objective
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("strategy,objective", FAMILIES)
+@pytest.mark.parametrize("strategy,objective", OBJECTIVES)
 def test_every_family_packed_equals_one_conversation_per_row_cuda(strategy, objective):
     """The same on the GPU through flex (document block masks; EAGLE-3's host-chosen rows), fp32."""
     _family_packed_vs_rows(strategy, objective, "flex", torch.device("cuda"), 1e-3)
@@ -282,20 +334,28 @@ def test_every_family_packed_equals_one_conversation_per_row_cuda(strategy, obje
 def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
     from types import SimpleNamespace
 
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
     from train import TrainConfig
 
-    cfg = TrainConfig(strategy=strategy, objective=objective, attention=attention, loss="torch", ttt_length=3, num_anchors=3,
-                      draft_vocab_size=64, loss_decay=2.0 if strategy == "dflash" else 0.0)
+    cfg = TrainConfig(
+        strategy=strategy,
+        objective=objective,
+        attention=attention,
+        loss="torch",
+        ttt_length=3,
+        num_anchors=3,
+        draft_vocab_size=64,
+        loss_decay=2.0 if strategy == "dflash" else 0.0,
+    )
     target, _, ex = _draft_setup(seed=6)
     torch.manual_seed(1)
     tok = SimpleNamespace(all_special_ids=[], added_tokens_decoder={})
-    draft = STRATEGIES[strategy].build(cfg, target, torch.rand(target.config.vocab_size), tok)
+    draft = FAMILIES[strategy].build(cfg, target, torch.rand(target.config.vocab_size), tok)
     with torch.no_grad():  # away from the initial weights (norms 1, zero biases)
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
     packed = pack(ex, row_len=64)
-    assert STRATEGIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
+    assert FAMILIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
     target, draft = target.to(device), draft.to(device)
     a = _strategy_step(strategy, cfg, target, draft, collate(ex), device)
     b = _strategy_step(strategy, cfg, target, draft, packed, device)
@@ -312,10 +372,14 @@ def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
 PACKS = ["--max-len", "256"]  # the tiny chats are 76..218 tokens: rows of 256 hold two of the short ones
 
 
-@pytest.mark.parametrize("strategy,backend", [("eagle3", "hf"), ("eagle3", "compiled"), ("peagle", "hf"), ("dflash", "hf")])
+@pytest.mark.parametrize(
+    "strategy,backend", [("eagle3", "hf"), ("eagle3", "compiled"), ("peagle", "hf"), ("dflash", "hf")]
+)
 def test_train_packed_equals_unpacked(tmp_path, tiny_run_inputs, strategy, backend):
     target, data = tiny_run_inputs
-    pad = ["--pad-to-max-len"] if backend == "hf" and strategy == "eagle3" else []  # padded packed rows (pad_rows) change nothing either
+    pad = (
+        ["--pad-to-max-len"] if backend == "hf" and strategy == "eagle3" else []
+    )  # padded packed rows (pad_rows) change nothing either
     common = ["--steps", "4", *PACKS, "--strategy", strategy, "--backend", backend]
     run_train(tmp_path / "packed", target, data, 1, [*common, "--pack", "on", *pad])
     run_train(tmp_path / "rows", target, data, 1, [*common, "--pack", "off"])
@@ -324,10 +388,17 @@ def test_train_packed_equals_unpacked(tmp_path, tiny_run_inputs, strategy, backe
     for a, b in zip(p, u):
         for k in ("loss", "loss_0", "loss_2", "acc_0", "grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
-    evals = [[r for r in map(json.loads, open(tmp_path / n / "metrics.jsonl")) if r["split"] == "eval"] for n in ("packed", "rows")]
-    assert len(evals[0]) == 2 and [r["loss_0"] for r in evals[0]] == pytest.approx([r["loss_0"] for r in evals[1]], rel=1e-5)
+    evals = [
+        [r for r in map(json.loads, open(tmp_path / n / "metrics.jsonl")) if r["split"] == "eval"]
+        for n in ("packed", "rows")
+    ]
+    assert len(evals[0]) == 2 and [r["loss_0"] for r in evals[0]] == pytest.approx(
+        [r["loss_0"] for r in evals[1]], rel=1e-5
+    )
     for k, v in final_params(tmp_path / "rows").items():
-        torch.testing.assert_close(final_params(tmp_path / "packed")[k], v, rtol=1e-4, atol=1e-5, msg=k)  # as 2 ranks == 1 rank
+        torch.testing.assert_close(
+            final_params(tmp_path / "packed")[k], v, rtol=1e-4, atol=1e-5, msg=k
+        )  # as 2 ranks == 1 rank
     res = [json.loads((tmp_path / n / "run.json").read_text())["results"]["packing"] for n in ("packed", "rows")]
     assert res[0]["packed"] and not res[1]["packed"] and res[0]["real_tokens"] == res[1]["real_tokens"] > 0
     if not pad:
@@ -342,21 +413,35 @@ def test_what_cannot_pack_is_named():
     """train.py packs only where documents stay apart: otherwise --pack on refuses and auto runs unpacked."""
     import dataclasses
 
-    from strategies import STRATEGIES
+    from models.families import FAMILIES
     from train import TrainConfig, packing_blocker
 
     ok = TrainConfig()
-    assert packing_blocker(ok, STRATEGIES["eagle3"], "cpu", "sdpa") is None
-    assert all(packing_blocker(dataclasses.replace(ok, strategy=n), s, "cpu", None) is None for n, s in STRATEGIES.items())
+    assert packing_blocker(ok, FAMILIES["eagle3"], "cpu", "sdpa") is None
+    assert all(
+        packing_blocker(dataclasses.replace(ok, strategy=n), s, "cpu", None) is None for n, s in FAMILIES.items()
+    )
     cases = [
-        (ok, dataclasses.replace(STRATEGIES["eagle3"], packs=False), "cpu", None, "does not keep packed documents apart"),
-        (dataclasses.replace(ok, compile=True), STRATEGIES["eagle3"], "cpu", None, "--compile with packed rows is untested"),
-        (dataclasses.replace(ok, attention="lse"), STRATEGIES["eagle3"], "cuda", None, "--attention lse has no document mask on the GPU"),
-        (ok, STRATEGIES["eagle3"], "cpu", "flash_attention_2", "'flash_attention_2' attention"),
+        (ok, dataclasses.replace(FAMILIES["eagle3"], packs=False), "cpu", None, "does not keep packed documents apart"),
+        (
+            dataclasses.replace(ok, compile=True),
+            FAMILIES["eagle3"],
+            "cpu",
+            None,
+            "--compile with packed rows is untested",
+        ),
+        (
+            dataclasses.replace(ok, attention="lse"),
+            FAMILIES["eagle3"],
+            "cuda",
+            None,
+            "--attention lse has no document mask on the GPU",
+        ),
+        (ok, FAMILIES["eagle3"], "cpu", "flash_attention_2", "'flash_attention_2' attention"),
     ]
     for cfg, strategy, kind, attn, message in cases:
         assert message in packing_blocker(cfg, strategy, kind, attn)
-    assert packing_blocker(dataclasses.replace(ok, attention="flex"), STRATEGIES["eagle3"], "cuda", "eager") is None
+    assert packing_blocker(dataclasses.replace(ok, attention="flex"), FAMILIES["eagle3"], "cuda", "eager") is None
 
 
 def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
@@ -369,7 +454,8 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
 
 
 def test_throughput_windows(monkeypatch):
-    """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints); MFU = model FLOPs / time / peak."""
+    """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints);
+    MFU = model FLOPs / time / peak."""
     import runlog
 
     clock = [0.0]
@@ -387,8 +473,12 @@ def test_throughput_windows(monkeypatch):
     clock[0] += 100.0  # an evaluation
     t.resume()
     out = t.report(lambda xs: [3 * x for x in xs])  # three ranks' worth of tokens
-    assert out == {"real_tokens_per_s": 210 / 4.0, "row_tokens_per_s": 384 / 4.0, "step_seconds": 2.0,
-                   "mfu": 10.0 * 210 / 4.0 / (2 * 100.0)}
+    assert out == {
+        "real_tokens_per_s": 210 / 4.0,
+        "row_tokens_per_s": 384 / 4.0,
+        "step_seconds": 2.0,
+        "mfu": 10.0 * 210 / 4.0 / (2 * 100.0),
+    }
     assert (t.total_real, t.total_rows) == (180, 256)
     clock[0] += 1.0
     t.step(10, 16, None)

@@ -2,6 +2,7 @@
 flattened forward with the P-EAGLE mask against brute force (every element recomputed through the
 KV-cached inference path: the committed prefix, then the rollout's mask slots); the parallel
 proposer is greedy; an overfit run on a tiny random target."""
+
 import pytest
 import torch
 
@@ -23,7 +24,18 @@ from tests.tiny import random_examples, tiny_llama
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def setup(seed=0, K=3, draft_vocab=60, hidden=32, heads=4, init=0.02, n_examples=3, max_len=14, fc_norm=False, norm_output=False):
+def setup(
+    seed=0,
+    K=3,
+    draft_vocab=60,
+    hidden=32,
+    heads=4,
+    init=0.02,
+    n_examples=3,
+    max_len=14,
+    fc_norm=False,
+    norm_output=False,
+):
     torch.manual_seed(seed)
     hf = tiny_llama(seed=seed, hidden=hidden, heads=heads, initializer_range=init)
     target = Target(hf)
@@ -32,7 +44,9 @@ def setup(seed=0, K=3, draft_vocab=60, hidden=32, heads=4, init=0.02, n_examples
     gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(examples))]
     b = peagle_host(b, K, lambda i: gens[i])
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), draft_vocab)
-    c = PEagleConfig.from_target(hf.config, draft_vocab, target.aux_layers, mask_token_id=7, depths=K, fc_norm=fc_norm, norm_output=norm_output)
+    c = PEagleConfig.from_target(
+        hf.config, draft_vocab, target.aux_layers, mask_token_id=7, depths=K, fc_norm=fc_norm, norm_output=norm_output
+    )
     draft = PEagleDraft(c)
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)
@@ -40,8 +54,19 @@ def setup(seed=0, K=3, draft_vocab=60, hidden=32, heads=4, init=0.02, n_examples
         if "norm" in n:
             p.data += 0.2 * torch.randn_like(p)
     feats = target(b["input_ids"], b["attention_mask"])
-    batch = make_peagle_batch(feats, b["input_ids"], b["loss_mask"], b["pe_pos"], b["pe_depth"], b["pe_doc"], target.embed_tokens,
-                              target.lm_head, draft.draft_ids, draft.t2d, c.mask_token_id)
+    batch = make_peagle_batch(
+        feats,
+        b["input_ids"],
+        b["loss_mask"],
+        b["pe_pos"],
+        b["pe_depth"],
+        b["pe_doc"],
+        target.embed_tokens,
+        target.lm_head,
+        draft.draft_ids,
+        draft.t2d,
+        c.mask_token_id,
+    )
     return draft, batch, b, target, examples, feats
 
 
@@ -57,7 +82,9 @@ def test_rollouts_are_nested_and_subsampled():
         trained = [p for p in range(n - 1) if p + 2 + d < n and mask[p + 2 + d]]
         assert at_d == sorted(at_d) and set(at_d) <= prev, d  # nested: rollout p has every depth below d
         assert all(p + 2 + d < n and mask[p + 2 + d] for p in at_d)
-        assert len(at_d) == min(len([p for p in prev if p in trained]), int(len(trained) * max(DOWN_SAMPLE_RATIO**d, DOWN_SAMPLE_MIN)))
+        assert len(at_d) == min(
+            len([p for p in prev if p in trained]), int(len(trained) * max(DOWN_SAMPLE_RATIO**d, DOWN_SAMPLE_MIN))
+        )
         prev = set(at_d)
 
 
@@ -135,7 +162,9 @@ def test_flex_forward_equals_dense():
 
 
 def test_parallel_proposer_is_greedy():
-    from models.speculative import PEagleProposer, Proposer, TargetRunner, speculative_generate
+    from models.peagle import PEagleProposer
+    from models.proposer import Proposer
+    from speculative import TargetRunner, speculative_generate
 
     draft, *_ = setup(seed=4, K=4)
     hf = tiny_llama(seed=4, hidden=32, heads=4)
@@ -190,7 +219,8 @@ def test_export_vllm_format_and_load_back(tmp_path):
     assert isinstance(back, PEagleDraft) and back.config == draft.config
     for k, v in draft.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
-    from models.speculative import PEagleProposer, TargetRunner, speculative_generate
+    from models.peagle import PEagleProposer
+    from speculative import TargetRunner, speculative_generate
 
     runner = TargetRunner(hf, draft.config.aux_layers)
     prompt = [3, 17, 5, 60, 2, 9, 41, 8]

@@ -1,6 +1,7 @@
 """tools/random_target.py: a preset-shaped random target directory loads back into the compiled
 backend with the same weights (so train.py --backend compiled runs on it) and into transformers
 with the same hidden states (the disaggregated producer's HF target), with a chat template."""
+
 import pytest
 import torch
 
@@ -8,8 +9,15 @@ from models.fast_target import PRESETS, FastTarget, TargetConfig
 from models.target import Target
 from tools.random_target import write_random_target
 
-TINY = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16}
+TINY = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 
 
 @pytest.mark.parametrize("preset", ["llama-3.1-8b", "qwen3-30b-a3b"])
@@ -35,4 +43,6 @@ def test_written_target_loads_back(tmp_path, preset):
 
 def test_vocab_smaller_than_tokenizer_fails(tmp_path):
     with pytest.raises(ValueError, match="more than the preset's vocab_size"):
-        write_random_target({**PRESETS["llama-3.1-8b"], **TINY, "vocab_size": 1000}, tmp_path / "t", dtype=torch.float32)
+        write_random_target(
+            {**PRESETS["llama-3.1-8b"], **TINY, "vocab_size": 1000}, tmp_path / "t", dtype=torch.float32
+        )

@@ -1,6 +1,7 @@
 """The shipped draft (drafts/smollm2-135m-eagle3): it fits the default target and nothing else,
 our evaluator decodes with it at a useful τ, and vLLM's CPU build serves it with the same τ
 (within 3%) and the same greedy text."""
+
 import json
 from pathlib import Path
 
@@ -13,9 +14,9 @@ DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle3"
 
 
 def test_shipped_draft_fits_the_default_target_only(smollm2_dir, smollm2_tokenizer, tiny_run_inputs):
-    from export import load_draft, target_mismatch
+    from export import open_draft, target_mismatch
 
-    draft, meta = load_draft(DRAFT)
+    draft, meta = open_draft(DRAFT)
     tc = json.loads((smollm2_dir / "config.json").read_text())
     assert meta["target"] == "smollm2" and target_mismatch(draft.config, tc, smollm2_tokenizer, meta) == []
     prov = json.loads((DRAFT / "provenance.json").read_text())
@@ -30,7 +31,9 @@ def test_vllm_serves_the_shipped_draft_at_our_tau(tmp_path):
     """Served by vLLM 0.32 (CPU build, its own venv) on GSM8K prompts at K = 3: τ within 3% of
     our evaluator's on the same prompts, and above a draft-free lookup's ~1.6 (1.81 measured here on
     these 3 prompts; 1.91 over 8 GSM8K prompts at 128 tokens, README)."""
-    r = evaluate(EvalArgs(draft=str(DRAFT), data=("gsm8k",), num_prompts=3, max_new_tokens=64, k=(3,), vllm=True, threads=2))
+    r = evaluate(
+        EvalArgs(draft=str(DRAFT), data=("gsm8k",), num_prompts=3, max_new_tokens=64, k=(3,), vllm=True, threads=2)
+    )
     ours = r["results"]["gsm8k"]["eagle3-chain3"]["tau"]
     agree = r["vllm"]["chain3"]["gsm8k"]
     assert ours > 1.7, ours

@@ -1,4 +1,5 @@
 """Short smoke test on the real default target (SmolLM2-135M-Instruct from the packaged GGUF)."""
+
 import json
 
 import pytest
@@ -21,8 +22,17 @@ def test_smollm2_capture_and_train(tmp_path, smollm2_dir):
     torch.testing.assert_close(feats.aux_hidden, torch.cat([hs[2], hs[15], hs[27]], -1))
     torch.testing.assert_close(target.lm_head(feats.final_hidden), ref.logits)
 
-    cfg = TrainConfig(num_records=40, holdout=2, max_len=96, batch_size=2, steps=3, ttt_length=2,
-                      draft_vocab_size=1024, out=str(tmp_path / "run"), progress=False)
+    cfg = TrainConfig(
+        num_records=40,
+        holdout=2,
+        max_len=96,
+        batch_size=2,
+        steps=3,
+        ttt_length=2,
+        draft_vocab_size=1024,
+        out=str(tmp_path / "run"),
+        progress=False,
+    )
     res = Trainer(cfg).train()
     rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if r["split"] == "train"]

@@ -1,12 +1,14 @@
 """Speculative decoding emits exactly the target's greedy tokens (chain, tree, n-gram), its
 target cache surgery matches a fresh forward, and a draft that copies the target is accepted.
 Tiny random Llama targets here; the real SmolLM2 in the slow tests."""
+
 import pytest
 import torch
 
-from models.eagle3 import Eagle3Config, Eagle3Draft
-from models.speculative import Eagle3Proposer, NgramProposer, Proposer, TargetRunner, Tree, speculative_generate
+from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from models.proposer import Proposer, Tree
 from models.target import Target
+from speculative import NgramProposer, TargetRunner, speculative_generate
 from tests.tiny import tiny_llama
 
 
@@ -20,7 +22,9 @@ def one_thread():
 
 
 def hf_greedy(model, prompt, max_new, eos=None):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -70,7 +74,9 @@ def test_eos_stops_and_is_kept():
     prompt = [5, 6, 7, 8, 9]
     ref = hf_greedy(hf, prompt, 30)
     eos = ref[7]  # a token the target emits: generation must stop at its first occurrence
-    out, _ = speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), 4, 2), prompt, 30, eos_ids=[eos])
+    out, _ = speculative_generate(
+        TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), 4, 2), prompt, 30, eos_ids=[eos]
+    )
     assert out == ref[: ref.index(eos) + 1]
 
 
@@ -196,7 +202,9 @@ def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
     k, d = (1, 3) if mode == "chain3" else (3, 4)
     for text in ["What is 2+2?", "Write a haiku about the sea."]:
         prompt = render(smollm2_tokenizer, [{"role": "user", "content": text}])
-        out, _ = speculative_generate(TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), d, k), prompt, 24, eos)
+        out, _ = speculative_generate(
+            TargetRunner(hf, aux), Eagle3Proposer(draft, hf.get_input_embeddings(), d, k), prompt, 24, eos
+        )
         assert out == hf_greedy(hf, prompt, 24, eos)
 
 
@@ -214,19 +222,33 @@ def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
     greedy decoding (--check-greedy) and the JSON line holds the counters."""
     import json
 
+    from transformers import AutoModelForCausalLM
+
     import evaluate
     from tests.test_export import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     target_dir, _ = tiny_run_inputs
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
     run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"turns": ["Hi there", "And again"]}) + "\n" + json.dumps({"prompt": "Count to ten."}) + "\n")
-    res = evaluate.main(evaluate.EvalArgs(
-        draft=str(run), target=str(target_dir), data=(str(prompts),), num_prompts=0, max_new_tokens=12,
-        k=(2, 3), tree_topk=2, tree_depth=3, ngram=True, check_greedy=True, out=str(tmp_path / "r.jsonl"),
-    ))
+    prompts.write_text(
+        json.dumps({"turns": ["Hi there", "And again"]}) + "\n" + json.dumps({"prompt": "Count to ten."}) + "\n"
+    )
+    res = evaluate.main(
+        evaluate.EvalArgs(
+            draft=str(run),
+            target=str(target_dir),
+            data=(str(prompts),),
+            num_prompts=0,
+            max_new_tokens=12,
+            k=(2, 3),
+            tree_topk=2,
+            tree_depth=3,
+            ngram=True,
+            check_greedy=True,
+            out=str(tmp_path / "r.jsonl"),
+        )
+    )
     r = res["results"]["p"]
     assert set(r) == {"eagle3-chain2", "eagle3-chain3", "eagle3-tree2x3", "ngram"}
     for s in r.values():
@@ -240,20 +262,39 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
     counters; the tree runs one at a time as before."""
     import json
 
+    from transformers import AutoModelForCausalLM
+
     import evaluate
     from tests.test_export import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     target_dir, _ = tiny_run_inputs
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
     run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(x) for x in (
-        {"turns": ["Hi there", "And again"]}, {"prompt": "Count to ten."}, {"turns": ["One", "Two"]})) + "\n")
-    res = {b: evaluate.main(evaluate.EvalArgs(draft=str(run), target=str(target_dir), data=(str(prompts),), num_prompts=0,
-                                              max_new_tokens=12, k=(3,), tree_topk=2, tree_depth=2, batch=b,
-                                              check_greedy=True))["results"]["p"]
-           for b in (1, 2)}
+    prompts.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in ({"turns": ["Hi there", "And again"]}, {"prompt": "Count to ten."}, {"turns": ["One", "Two"]})
+        )
+        + "\n"
+    )
+    res = {
+        b: evaluate.main(
+            evaluate.EvalArgs(
+                draft=str(run),
+                target=str(target_dir),
+                data=(str(prompts),),
+                num_prompts=0,
+                max_new_tokens=12,
+                k=(3,),
+                tree_topk=2,
+                tree_depth=2,
+                batch=b,
+                check_greedy=True,
+            )
+        )["results"]["p"]
+        for b in (1, 2)
+    }
     assert res[2]["eagle3-chain3"]["prompts"] == 5
     assert res[1] == {k: {**v, "seconds": res[1][k]["seconds"]} for k, v in res[2].items()}
 
@@ -263,9 +304,10 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
     (it decodes nothing) and returns the same results; other weights or settings decode again."""
     import json
 
+    from transformers import AutoModelForCausalLM
+
     import evaluate
     from tests.test_export import make_checkpoint
-    from transformers import AutoModelForCausalLM
 
     target_dir, _ = tiny_run_inputs
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
@@ -275,13 +317,17 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps(conv) + "\n")
         data.append(str(tmp_path / f"{name}.jsonl"))
     resume = tmp_path / "partial.json"
-    args = dict(draft=str(run), target=str(target_dir), num_prompts=0, max_new_tokens=8, k=(2,), resume_file=str(resume))
+    args = dict(
+        draft=str(run), target=str(target_dir), num_prompts=0, max_new_tokens=8, k=(2,), resume_file=str(resume)
+    )
     first = evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
     assert set(json.loads(resume.read_text())["results"]) == {"a"}
 
     decoded = []
     real = evaluate.run_dataset
-    monkeypatch.setattr(evaluate, "run_dataset", lambda t, p, tok, convs, *r: decoded.append(len(convs)) or real(t, p, tok, convs, *r))
+    monkeypatch.setattr(
+        evaluate, "run_dataset", lambda t, p, tok, convs, *r: decoded.append(len(convs)) or real(t, p, tok, convs, *r)
+    )
     both = evaluate.main(evaluate.EvalArgs(data=tuple(data), **args))  # "a" from the file, "b" decoded
     assert decoded == [1] and both["results"]["a"] == first["results"]["a"]
     assert set(json.loads(resume.read_text())["results"]) == {"a", "b"}

@@ -5,6 +5,7 @@ backend's on tiny random Llama (GQA, llama3 rope), Qwen3 (q/k norm, q/k/v/o bias
 padded rows and packed documents (flex document mask), and are bit-identical on both ranks;
 head counts tp does not divide fail clearly; train.py --backend compiled --tp 2 on two ranks
 trains exactly like one rank."""
+
 import json
 import os
 
@@ -13,19 +14,50 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.fast_target import FastTarget, TargetConfig, pack_documents
+from data.chat import Example
+from data.packing import pack
+from models.fast_target import FastTarget, TargetConfig
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol scaled by the reference's largest value, as in test_fast_target
 
-COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=256)
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+)
 CONFIGS = {
-    "llama": dict(COMMON, model_type="llama", rope_theta=10000.0,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 32}),
-    "qwen3_bias": dict(COMMON, model_type="qwen3", rope_theta=1e6, attention_bias=True),  # q/k norm, o bias (row-parallel)
-    "qwen3_moe": dict(COMMON, model_type="qwen3_moe", rope_theta=1e6, num_experts=8, num_experts_per_tok=3,
-                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3]),
+    "llama": dict(
+        COMMON,
+        model_type="llama",
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "qwen3_bias": dict(
+        COMMON, model_type="qwen3", rope_theta=1e6, attention_bias=True
+    ),  # q/k norm, o bias (row-parallel)
+    "qwen3_moe": dict(
+        COMMON,
+        model_type="qwen3_moe",
+        rope_theta=1e6,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    ),
 }
 AUX = [0, 1, 2]
 
@@ -36,7 +68,11 @@ def random_target(d: dict, seed=0, dtype=torch.float32, device="cpu") -> FastTar
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in fast.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if n.endswith("norm.weight") else 0.15 * torch.randn(p.shape, generator=g))
+            p.copy_(
+                1 + 0.1 * torch.randn(p.shape, generator=g)
+                if n.endswith("norm.weight")
+                else 0.15 * torch.randn(p.shape, generator=g)
+            )
     return fast
 
 
@@ -48,12 +84,14 @@ def batches(vocab: int) -> dict:
     mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(0, vocab, (len(lengths), T), generator=g) * mask
     docs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (19, 33, 7, 25, 11)]
-    packed = pack_documents(docs, row_len=40)
+    packed = pack([Example(d, [1] * len(d)) for d in docs], row_len=40)
     return {
         "whole": (dict(input_ids=ids[:2]), [(b, 0, T) for b in range(2)]),
         "padded": (dict(input_ids=ids, attention_mask=mask), [(b, 0, n) for b, n in enumerate(lengths)]),
-        "packed": (dict(input_ids=packed["input_ids"], doc_ids=packed["doc_ids"]),
-                   [(r, s, len(d)) for (r, s), d in zip(packed["where"].tolist(), docs)]),
+        "packed": (
+            dict(input_ids=packed["input_ids"], doc_ids=packed["doc_ids"]),
+            [(r, s, len(d)) for (r, s), d in zip(packed["where"].tolist(), docs)],
+        ),
     }
 
 
@@ -63,7 +101,9 @@ def max_rel_err(f, ref, spans) -> float:
     for which in ("aux_hidden", "final_hidden"):
         a, b = getattr(f, which).float(), getattr(ref, which).float()
         for r, s, n in spans:
-            err = max(err, ((a[r, s : s + n] - b[r, s : s + n]).abs().max() / b[r, s : s + n].abs().max().clamp(min=1)).item())
+            err = max(
+                err, ((a[r, s : s + n] - b[r, s : s + n]).abs().max() / b[r, s : s + n].abs().max().clamp(min=1)).item()
+            )
     return err
 
 
@@ -98,11 +138,15 @@ def _worker(rank: int, world: int, store: str, out: str, cuda: bool = False):
                 for name, (kw, spans) in batches(d["vocab_size"]).items():
                     kw = {k: v.to(device) for k, v in kw.items()}
                     f, ref = tp(**kw), single(**kw)
-                    assert type(f.aux_hidden) is torch.Tensor and type(f.final_hidden) is torch.Tensor  # plain, not DTensor
+                    assert (
+                        type(f.aux_hidden) is torch.Tensor and type(f.final_hidden) is torch.Tensor
+                    )  # plain, not DTensor
                     gathered = [torch.empty_like(f.final_hidden) for _ in range(world)]
                     dist.all_gather(gathered, f.final_hidden.contiguous())
                     key = f"{kind}{'' if grouped is None else '_grouped' if grouped else '_bmm'}/{name}"
-                    res[key] = dict(err=max_rel_err(f, ref, spans), same_on_ranks=all(torch.equal(g, gathered[0]) for g in gathered))
+                    res[key] = dict(
+                        err=max_rel_err(f, ref, spans), same_on_ranks=all(torch.equal(g, gathered[0]) for g in gathered)
+                    )
                     if cuda:
                         res[key]["err_single"] = max_rel_err(single_bf16(**kw), ref, spans)
         try:  # 1 KV head cannot be split over 2 ranks
@@ -165,8 +209,19 @@ def test_train_tp2_matches_one_rank(tmp_path, tiny_run_inputs, compiled):
 
     target, data = tiny_run_inputs
     # --max-len 128: the chats' first assistant tokens start past 64, and a batch without any trains nothing
-    extra = ["--steps", "2", "--backend", "compiled", "--num-records", "24", "--max-len", "128", "--eval-batch-size", "4",
-             *(["--compile"] if compiled else [])]
+    extra = [
+        "--steps",
+        "2",
+        "--backend",
+        "compiled",
+        "--num-records",
+        "24",
+        "--max-len",
+        "128",
+        "--eval-batch-size",
+        "4",
+        *(["--compile"] if compiled else []),
+    ]
     run_train(tmp_path / "one", target, data, 1, extra)
     p = run_train(tmp_path / "tp2", target, data, 2, [*extra, "--tp", "2"])
     assert "[target] tensor parallel over 2 ranks, 1 data-parallel group(s)" in p.stdout

@@ -1,5 +1,6 @@
 """train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume (both
 one conversation per row and packed), bad inputs fail clearly (more of them: tests/test_bad_input.py)."""
+
 import json
 import os
 import subprocess
@@ -15,11 +16,32 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_train(out, target, data, nproc=1, extra=(), check=True):
     args = [
-        "--target", str(target), "--data", str(data), "--out", str(out), "--num-records", "60",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--num-records",
+        "60",
         # a random target's argmax is spread over all 49k tokens: a small draft vocab would leave whole
         # batches with no trained position (loss 0), and the comparisons below would be vacuous
-        "--holdout", "4", "--max-len", "64", "--batch-size", "4", "--draft-vocab-size", "8192",
-        "--ttt-length", "3", "--lr", "1e-3", "--warmup", "2", "--no-progress", *extra,
+        "--holdout",
+        "4",
+        "--max-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--draft-vocab-size",
+        "8192",
+        "--ttt-length",
+        "3",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "2",
+        "--no-progress",
+        *extra,
     ]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     cmd = [sys.executable, *launcher, "train.py", *args]
@@ -53,7 +75,9 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs, layout):
     for a, b in zip(one, two):
         for k in ("loss", "loss_0", "loss_2", "acc_0"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
-    assert all(r["loss"] > 0 for r in one) and one[-1]["loss"] != one[0]["loss"]  # every step trained tokens; it learned
+    assert (
+        all(r["loss"] > 0 for r in one) and one[-1]["loss"] != one[0]["loss"]
+    )  # every step trained tokens; it learned
     p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
     for k in p1:
         torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
@@ -82,7 +106,9 @@ def test_resume_is_exact(tmp_path, tiny_run_inputs, layout):
 )
 def test_bad_inputs_fail_clearly(tmp_path, tiny_run_inputs, extra, message):
     target, data = tiny_run_inputs
-    p = run_train(tmp_path / "bad", target, data, 0, ["--steps", "1", *extra], check=False)  # plain python: torchrun adds its own traceback
+    p = run_train(
+        tmp_path / "bad", target, data, 0, ["--steps", "1", *extra], check=False
+    )  # plain python: torchrun adds its own traceback
     assert p.returncode != 0
     assert message in p.stderr + p.stdout
     assert "Traceback" not in p.stderr
@@ -105,7 +131,8 @@ def test_no_chat_template_fails_clearly(tmp_path, tiny_run_inputs):
 def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
     import shutil
 
-    from safetensors.torch import load_file as load, save_file
+    from safetensors.torch import load_file as load
+    from safetensors.torch import save_file
 
     target, data = tiny_run_inputs
     bad = tmp_path / "nan_target"
@@ -116,5 +143,7 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
     p = run_train(tmp_path / "nan", bad, data, 0, ["--steps", "2"], check=False)
     assert p.returncode != 0
     assert "non-finite loss at step 0" in p.stderr + p.stdout and "Traceback" not in p.stderr
-    assert f"No checkpoint was saved before it ({tmp_path / 'nan' / 'ckpt'} has none" in p.stderr  # names none that does not exist
+    assert (
+        f"No checkpoint was saved before it ({tmp_path / 'nan' / 'ckpt'} has none" in p.stderr
+    )  # names none that does not exist
     assert not (tmp_path / "nan" / "ckpt").exists()  # (a run with a checkpoint: tests/test_bad_input.py)

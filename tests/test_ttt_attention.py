@@ -1,4 +1,5 @@
 """TTT attention: the log-sum-exp and flex implementations against the eager reference."""
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense, create_block_mask
@@ -156,11 +157,13 @@ def test_packed_paths_match_brute_force(T, k, groups):
     """eager (forward) against loops; lse and eager flex (forward) and lse's gradients against eager."""
     q, ks, vs = _inputs(T, k, groups)
     doc = _doc_ids(T, seed=T + k)
-    fn = lambda impl: (lambda q, ks, vs: impl(q, ks, vs, doc_ids=doc))  # noqa: E731
+    fn = lambda impl: lambda q, ks, vs: impl(q, ks, vs, doc_ids=doc)  # noqa: E731
     with torch.no_grad():
         want = _brute_packed(q, ks, vs, doc)
         torch.testing.assert_close(ttt_attention_eager(q, ks, vs, doc_ids=doc), want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ttt_attention_flex(q, ks, vs, doc_ids=doc, compiled=False), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ttt_attention_flex(q, ks, vs, doc_ids=doc, compiled=False), want, atol=1e-5, rtol=1e-5
+        )
     for got, ref in zip(_fwd_bwd(fn(ttt_attention_lse), q, ks, vs), _fwd_bwd(fn(ttt_attention_eager), q, ks, vs)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
@@ -199,4 +202,6 @@ def test_ttt_block_mask_layout_packed(k):
     ref = create_block_mask(ttt_document_mask(k, Tp, doc), 3, None, Tp, (k + 1) * Tp, device="cpu")
     dense = lambda n, i: _ordered_to_dense(n, i, i.shape[-1]).bool()  # noqa: E731
     assert torch.equal(dense(ours.kv_num_blocks, ours.kv_indices), dense(ref.kv_num_blocks, ref.kv_indices))
-    assert torch.equal(dense(ours.full_kv_num_blocks, ours.full_kv_indices), dense(ref.full_kv_num_blocks, ref.full_kv_indices))
+    assert torch.equal(
+        dense(ours.full_kv_num_blocks, ours.full_kv_indices), dense(ref.full_kv_num_blocks, ref.full_kv_indices)
+    )

@@ -3,6 +3,7 @@ shared buffers instead of concatenated anew. On CPU: the forward equals ttt_atte
 step (eager flex; no CPU flex backward), the buffer writes route gradients exactly as the
 concatenation does (checked with a differentiable stand-in consumer), and calls out of order fail.
 The flex gradients themselves are checked on CUDA (tests/test_kernels_cuda.py)."""
+
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,14 @@ def test_buffers_peak_lower_around_a_stand_in_flex(monkeypatch):
 
     import kernels.ttt_attention as ta
 
-    spec = importlib.util.spec_from_file_location("flex_buf_memory_cpu", Path(__file__).resolve().parents[1] / "experiments/flex_buf_memory_cpu.py")
+    spec = importlib.util.spec_from_file_location(
+        "flex_buf_memory_cpu", Path(__file__).resolve().parents[1] / "experiments/flex_buf_memory_cpu.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     for name, fn in mod.stand_in_patches().items():
         monkeypatch.setattr(ta, name, fn)
     # in step-sized K tensors; the 0.01 allows for scalars (the loss sums) alive at the peak
-    assert mod.peak_in_steps("cat") == pytest.approx(72.0, abs=0.01) and mod.peak_in_steps("buf") == pytest.approx(62.0, abs=0.01)
+    assert mod.peak_in_steps("cat") == pytest.approx(72.0, abs=0.01) and mod.peak_in_steps("buf") == pytest.approx(
+        62.0, abs=0.01
+    )

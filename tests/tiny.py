@@ -1,4 +1,5 @@
 """Tiny random models and data for tests (no downloads)."""
+
 import torch
 
 from data.chat import Example
@@ -9,9 +10,15 @@ def tiny_llama(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, seed=0, **kw)
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-        tie_word_embeddings=False, **kw,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **kw,
     )
     return LlamaForCausalLM(cfg).eval()
 

@@ -7,6 +7,7 @@ change that must not move a number, then compare the two files bitwise:
 
 The runs are train.py itself (subprocesses, OMP_NUM_THREADS=1 so the summation order is fixed).
 """
+
 import hashlib
 import json
 import os
@@ -20,8 +21,29 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TINY = ["--num-records", "60", "--holdout", "4", "--max-len", "64", "--batch-size", "4", "--draft-vocab-size", "8192",
-        "--ttt-length", "3", "--lr", "1e-3", "--warmup", "2", "--steps", "4", "--eval-every", "4", "--no-progress"]
+TINY = [
+    "--num-records",
+    "60",
+    "--holdout",
+    "4",
+    "--max-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--draft-vocab-size",
+    "8192",
+    "--ttt-length",
+    "3",
+    "--lr",
+    "1e-3",
+    "--warmup",
+    "2",
+    "--steps",
+    "4",
+    "--eval-every",
+    "4",
+    "--no-progress",
+]
 RUNS = {  # name -> extra train.py flags (on the tiny target unless the name starts with smollm2)
     "eagle3": ["--strategy", "eagle3"],
     "eagle3-packed": ["--strategy", "eagle3", "--pack", "on", "--max-len", "256"],
@@ -31,8 +53,21 @@ RUNS = {  # name -> extra train.py flags (on the tiny target unless the name sta
     "dflash": ["--strategy", "dflash", "--num-anchors", "4"],
     "domino": ["--strategy", "domino", "--num-anchors", "4"],
     "dspark": ["--strategy", "dspark", "--num-anchors", "4"],
-    "smollm2-eagle3": ["--strategy", "eagle3", "--num-records", "40", "--holdout", "4", "--max-len", "128", "--batch-size", "2",
-                       "--steps", "2", "--no-progress"],
+    "smollm2-eagle3": [
+        "--strategy",
+        "eagle3",
+        "--num-records",
+        "40",
+        "--holdout",
+        "4",
+        "--max-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--no-progress",
+    ],
 }
 
 
@@ -60,13 +95,16 @@ def tiny_inputs(work: Path) -> tuple[Path, Path]:
         tok.save_pretrained(target)
         with open(chats, "w") as f:
             for rec in load_records("sharegpt", limit=60):
-                msgs = [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:200]} for t in rec["conversations"][:4]]
+                msgs = [
+                    {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"][:200]}
+                    for t in rec["conversations"][:4]
+                ]
                 f.write(json.dumps({"messages": msgs}) + "\n")
     return target, chats
 
 
 def numbers(row: dict) -> dict:
-    """What must not move: losses, accuracies, gradient norms, MoE stats (not the timings)."""
+    """The metrics of one metrics.jsonl row that must not move (not step_seconds: wall clock)."""
     return {k: v for k, v in row.items() if k in ("step", "split") or k.startswith(("loss", "acc", "grad_norm", "moe"))}
 
 
@@ -98,7 +136,7 @@ def main(a: Args):
     Path(a.out).write_text(json.dumps(got, indent=1))
     if a.compare:
         want = json.loads(Path(a.compare).read_text())
-        for w in want.values():  # files written before timings were left out
+        for w in want.values():  # files written before numbers() kept step_seconds
             w["rows"] = [numbers(r) for r in w["rows"]]
         bad = [n for n in got if got[n] != want.get(n)]
         print("identical" if not bad else f"DIFFERENT: {bad}")

@@ -12,13 +12,16 @@ disaggregated producer's HF target, the consumer's embeddings and lm_head), and 
 (SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
 N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
 """
-import argparse
+
+import dataclasses
 import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,14 +32,18 @@ from models.target import DEFAULT_TARGET, resolve_target  # noqa: E402
 SHARD_BYTES = 4 << 30
 
 
-def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0) -> Path:
+def write_random_target(
+    config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0
+) -> Path:
     """Build the model on `device`, write it to `out` (through a temporary dir renamed into place)."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
     if len(tok) > config["vocab_size"]:
-        raise ValueError(f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the preset's vocab_size {config['vocab_size']}")
+        raise ValueError(
+            f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the preset's vocab_size {config['vocab_size']}"
+        )
     if not tok.chat_template:
         raise ValueError(f"tokenizer {tokenizer!r} has no chat template; train.py needs one")
     # aux layer 0 + need_final: every layer is built (which aux layers a run reads is its own choice)
@@ -65,8 +72,14 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
         if size >= SHARD_BYTES:
             flush()
     flush()
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": {"seed": seed, "tokenizer": tokenizer}}
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    cfg = {
+        **config,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "nanospec_random": {"seed": seed, "tokenizer": tokenizer},
+    }
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
     tok.save_pretrained(tmp)
     if out.exists():
@@ -75,15 +88,23 @@ def write_random_target(config: dict, out: Path, tokenizer: str = DEFAULT_TARGET
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("preset", help=f"one of {', '.join(PRESETS)}, or a config.json path")
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=DEFAULT_TARGET, help="model dir / .gguf / 'smollm2' whose tokenizer is copied")
-    a = ap.parse_args()
+@dataclasses.dataclass
+class Args:
+    preset: Annotated[
+        tyro.conf.Positional[str],
+        tyro.conf.arg(metavar="PRESET", help=f"one of {', '.join(PRESETS)}, or a config.json path"),
+    ]
+    out: Annotated[tyro.conf.Positional[Path], tyro.conf.arg(metavar="OUT")]
+    """the target directory to write"""
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    """where the weights are drawn (default: cuda where there is one)"""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    seed: int = 0
+    tokenizer: str = DEFAULT_TARGET
+    """model dir / .gguf / 'smollm2' whose tokenizer is copied"""
+
+
+def main(a: Args):
     config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed)
@@ -91,4 +112,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tyro.cli(Args, description=__doc__))

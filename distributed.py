@@ -1,0 +1,48 @@
+"""Devices and process groups: what train.py, capture.py and disagg/ share.
+
+Under torchrun (RANK set) init_distributed() joins the process group (NCCL on GPU, gloo on CPU);
+without it everything here is a no-op, so the same code runs one process.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
+    return kind, DTYPES["bf16" if kind == "cuda" else "fp32"] if dtype == "auto" else DTYPES[dtype]
+
+
+def init_distributed(device_kind: str):
+    """(rank, world, local rank); (0, 1, 0) outside torchrun."""
+    if "RANK" not in os.environ:
+        return 0, 1, 0
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+    if device_kind == "cpu":  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    return rank, world, local
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over all ranks, in place."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy():
+    """Leave the process group (if any)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

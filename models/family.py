@@ -1,0 +1,110 @@
+"""What a draft family is to the rest of the code (DESIGN.md, "Strategy contract"): the fields of
+`Family`, which each family's file in models/ fills in at its end (`FAMILY = Family(...)`);
+models/families.py lists them, one line each. train.py, export.py, evaluate.py and gate.py reach a
+family only through that list, so adding one is a new file here plus one line there.
+
+    name        the key everywhere: `train.py --strategy NAME`, a checkpoint's config.json
+                "strategy", the draft module's `.family`
+    config_cls, draft_cls   the draft's config dataclass and nn.Module (config_cls(**json) rebuilds it)
+    objectives  accepted --objective values, the first is the default
+    options     the TrainConfig fields that only some families read: this family's subset
+                (train.py refuses the others when set away from their defaults)
+    build       (cfg, target, token counts, tokenizer) -> the draft module
+    host        host-side additions to a collated batch (TTT rows, block anchors, sampled depths),
+                made on the prefetch thread; random draws come from generators seeded by
+                (seed, batch key, index of the example in the global batch), so one rank and N
+                ranks, resumed runs and repeated evaluations see the same draws
+    make_batch  (features, batch on the device, target, draft) -> the draft's batch (no grad)
+    counts      (the draft's batch, draft, cfg) -> [K, 2] (accuracy rows, loss rows) for its K
+                drafted positions; train.py sums them over ranks before the step, so each loss is
+                a mean over the global batch
+    step        (draft module, its batch, counts, cfg, b, schedule) -> (loss, {"loss_sum": [K],
+                "correct": [K]}); schedule = the fraction of training done (Domino's curriculum)
+    proposer    (draft, HF target model, depth, topk) -> the Proposer evaluate.py and gate.py
+                decode with (models/proposer.py)
+    decode_depth  the proposer drafts any depth / top-k tree asked for (evaluate.py -k, --tree-topk);
+                otherwise the K it was trained for
+    serving     how export.py writes it for the engines (None: no engine in reach loads it)
+    draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
+    packs       whether its host / make_batch / step keep the documents of packed rows apart
+                (data/packing.py: doc_ids, position_ids in the batch); train.py packs only those
+    ttt_passes  the draft runs over every row token once per drafted position (EAGLE-3's TTT):
+                MFU counts 6*N*K
+
+K is --ttt-length for every family: TTT steps (eagle3), parallel depths (peagle), predicted block
+slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: blocks of K whose
+anchor slot predicts the first token).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from data.vocab import build_vocab_mapping
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What export.py needs to know to write a family; the formats themselves live in export.py.
+
+    layout       "eagle3": the LlamaForCausalLMEagle3 dir both engines load; "block": the
+                 Qwen3-layer DFlash dir vLLM loads (`architecture` names the vLLM class)
+    engines      the engines whose format is written
+    vllm_method  speculative_config method, and the extra settings it needs (P-EAGLE:
+                 parallel_drafting, whose dir also carries mask_token_id and mask_hidden)
+    """
+
+    layout: str
+    engines: tuple[str, ...]
+    vllm_method: str
+    vllm_extra: dict = field(default_factory=dict)
+    architecture: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config_cls: type
+    draft_cls: type
+    objectives: tuple[str, ...]
+    options: frozenset[str]
+    build: Callable
+    host: Callable
+    make_batch: Callable
+    counts: Callable
+    step: Callable
+    proposer: Callable
+    serving: Serving | None
+    draft_vocab: bool = False
+    packs: bool = False
+    ttt_passes: bool = False
+    decode_depth: bool = False
+
+
+def generator(seed: int, key: int, example: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + key) * 65_537 + example) % (2**63))
+
+
+def pick_mask_token(tokenizer, counts: torch.Tensor) -> int:
+    """The token fed at masked / parallel slots (DFlash, P-EAGLE): a special token that
+    never occurs in the training data (its frozen target embedding then carries no meaning of
+    its own), else the rarest token of the vocabulary."""
+    V = counts.numel()
+    specials = sorted({i for i in (tokenizer.all_special_ids or []) if i is not None and 0 <= i < V})
+    specials += sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if 0 <= i < V and i not in specials)
+    unused = [i for i in specials if counts[i] == 0]
+    return int(unused[-1]) if unused else int(counts.argmin())
+
+
+def with_vocab(draft, counts, size: int):
+    """Fill the draft's d2t / t2d with the `size` most frequent trained tokens (EAGLE-3, P-EAGLE)."""
+    d2t, t2d = build_vocab_mapping(counts, size)
+    draft.d2t.copy_(d2t)
+    draft.t2d.copy_(t2d)
+    return draft
+
+
+def block_attention(cfg) -> str:
+    """The block families' attention: flex when --attention asks for a flex variant, else dense."""
+    return "flex" if cfg.attention.startswith("flex") else "dense"

@@ -1,0 +1,149 @@
+"""The project's import graph runs one way (issue #19).
+
+Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and
+`from ... import` anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an
+edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Two rules:
+- no cycles;
+- a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
+  export.py, evaluate.py, gate.py, experiments/, tools/).
+"""
+
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# library modules; every other module is an entry script
+LIBRARY = (
+    "batched_chain",
+    "config",
+    "distributed",
+    "features",
+    "runlog",
+    "speculative",
+    "data",
+    "disagg",
+    "kernels",
+    "models",
+)
+
+
+def module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, files: list[Path]) -> dict[str, set[str]]:
+    """{module: project modules it imports}; files are paths relative to root."""
+    mods = {module_name(f): f for f in files}
+    graph = {m: set() for m in mods}
+    for mod, f in mods.items():
+        package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        tree = ast.parse((root / f).read_text(), str(f))
+        # `if TYPE_CHECKING:` imports never run (annotations only): not edges
+        typing_only = {
+            id(n)
+            for b in ast.walk(tree)
+            if isinstance(b, ast.If) and ast.unparse(b.test).endswith("TYPE_CHECKING")
+            for stmt in b.body
+            for n in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, level-1 packages up
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)] if package else []
+                    base = ".".join([*up, *([base] if base else [])])
+                names = [
+                    f"{base}.{a.name}".lstrip(".") if f"{base}.{a.name}".lstrip(".") in mods else base
+                    for a in node.names
+                ]
+            else:
+                continue
+            for name in names:
+                while name and name not in mods:  # `import a.b.c` of a module a.b: the longest project prefix
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    graph[mod].add(name)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state, stack = {}, []  # state: 1 = on the DFS stack, 2 = done
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n) :] + [n]
+            if n not in state and (c := visit(n)):
+                return c
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (c := visit(m)):
+            return c
+    return None
+
+
+def is_library(mod: str) -> bool:
+    return mod.split(".")[0] in LIBRARY
+
+
+def library_to_entry(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, n) for m, deps in graph.items() if is_library(m) for n in deps if not is_library(n))
+
+
+def project_graph() -> dict[str, set[str]]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    files = [Path(p) for p in out.split() if not p.startswith("tests/")]
+    return import_graph(ROOT, files)
+
+
+def test_project_imports_run_one_way():
+    graph = project_graph()
+    assert {"train", "capture", "disagg.roles", "config", "distributed"} <= graph.keys()
+    assert "distributed" in graph["capture"] and "distributed" in graph["train"]  # the parser sees real edges
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+    assert library_to_entry(graph) == [], "library modules import entry scripts"
+
+
+def test_checker_finds_cycles_and_upward_imports(tmp_path):
+    """The checks can fail: a cycle closed by a function-local import, and a library module
+    (disagg/) importing an entry script (train.py)."""
+    (tmp_path / "disagg").mkdir()
+    (tmp_path / "disagg" / "__init__.py").write_text("")
+    (tmp_path / "disagg" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
+    (tmp_path / "disagg" / "control.py").write_text("from . import roles\nfrom .roles import f\n")
+    (tmp_path / "train.py").write_text("import torch\nimport disagg.roles\n")
+    (tmp_path / "capture.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n"
+    )
+    files = [Path(p) for p in ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")]
+    graph = import_graph(tmp_path, files)
+    assert graph == {
+        "disagg": set(),
+        "disagg.roles": {"train"},
+        "disagg.control": {"disagg.roles"},
+        "train": {"disagg.roles"},
+        "capture": {"disagg.control"},
+    }
+    assert find_cycle(graph) == ["disagg.roles", "train", "disagg.roles"]
+    assert library_to_entry(graph) == [("disagg.roles", "train")]
+    graph["disagg.roles"].clear()  # the fix: roles gets the Trainer as an argument
+    assert find_cycle(graph) is None and library_to_entry(graph) == []
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
