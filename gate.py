@@ -2,7 +2,8 @@
 served by a real engine with near-perfect acceptance and the target's own greedy text.
 
     python gate.py [--out runs/gate] [--k 3] [--ckpt DIR --sample runs/gate/sample.json]
-    python gate.py --strategy dflash|peagle [--train-args --fc-norm --norm-output]   # other families
+    python gate.py --strategy dflash|peagle                # other families
+    python gate.py --train-args --fc-norm --norm-output    # EAGLE-3.1 (eagle3 / peagle options)
 
   1 sample  pick the first prompt of --data that renders with the target's chat template, fits
             --max-prompt-tokens and round-trips through the tokenizer; its assistant turn is the
@@ -177,6 +178,8 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
 
 # ---------------------------------------------------------------- stage 2
 def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
+    from models.families import FAMILIES
+
     run = out / "train"
     ttt = max(cfg.k, 1)
     base = [
@@ -194,8 +197,6 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         str(cfg.max_len),
         "--batch-size",
         "1",
-        "--draft-vocab-size",
-        str(cfg.draft_vocab_size),
         "--ttt-length",
         str(ttt),
         "--steps",
@@ -213,10 +214,11 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
         "cpu",
         "--strategy",
         cfg.strategy,
-        "--num-anchors",
-        "1024",
-        *cfg.train_args,  # block drafters: a block at every anchor
+        *cfg.train_args,
     ]
+    reads = FAMILIES[cfg.strategy].options  # pass only the options this family reads (train.py refuses the others)
+    base += ["--draft-vocab-size", str(cfg.draft_vocab_size)] if "draft_vocab_size" in reads else []
+    base += ["--num-anchors", "1024"] if "num_anchors" in reads else []  # block drafters: a block at every anchor
     if run.exists():
         import shutil
 
