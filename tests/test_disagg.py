@@ -19,6 +19,7 @@ from data.datasets import GlobalBatches
 from data.feature_store import SampleRef
 from disagg.control import Controller, PipelineError, plan_items
 from tests.test_train_e2e import final_params, run_train
+from tests.tiny import TINY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 7
@@ -158,7 +159,7 @@ def test_yaml_config_with_overrides(tmp_path):
 
 
 # ---------------------------------------------------------------- real processes
-ARGS = ["--steps", str(STEPS), "--draft-vocab-size", "8192", "--ckpt-every", "2"]
+ARGS = ["--steps", str(STEPS), "--ckpt-every", "2"]
 
 
 def train_cmd(out, target, data, extra=()):
@@ -171,21 +172,7 @@ def train_cmd(out, target, data, extra=()):
         str(data),
         "--out",
         str(out),
-        "--num-records",
-        "60",
-        "--holdout",
-        "4",
-        "--max-len",
-        "64",
-        "--batch-size",
-        "4",
-        "--ttt-length",
-        "3",
-        "--lr",
-        "1e-3",
-        "--warmup",
-        "2",
-        "--no-progress",
+        *TINY_TRAIN,
         *ARGS,
         *map(str, extra),
     ]

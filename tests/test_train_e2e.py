@@ -11,38 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.tiny import TINY_TRAIN
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_train(out, target, data, nproc=1, extra=(), check=True):
-    args = [
-        "--target",
-        str(target),
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--num-records",
-        "60",
-        # a random target's argmax is spread over all 49k tokens: a small draft vocab would leave whole
-        # batches with no trained position (loss 0), and the comparisons below would be vacuous
-        "--holdout",
-        "4",
-        "--max-len",
-        "64",
-        "--batch-size",
-        "4",
-        "--draft-vocab-size",
-        "8192",
-        "--ttt-length",
-        "3",
-        "--lr",
-        "1e-3",
-        "--warmup",
-        "2",
-        "--no-progress",
-        *extra,
-    ]
+    args = ["--target", str(target), "--data", str(data), "--out", str(out), *TINY_TRAIN, *extra]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     cmd = [sys.executable, *launcher, "train.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

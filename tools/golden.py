@@ -21,29 +21,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TINY = [
-    "--num-records",
-    "60",
-    "--holdout",
-    "4",
-    "--max-len",
-    "64",
-    "--batch-size",
-    "4",
-    "--draft-vocab-size",
-    "8192",
-    "--ttt-length",
-    "3",
-    "--lr",
-    "1e-3",
-    "--warmup",
-    "2",
-    "--steps",
-    "4",
-    "--eval-every",
-    "4",
-    "--no-progress",
-]
+from tests.tiny import TINY_TRAIN  # noqa: E402
+
+TINY = [*TINY_TRAIN, "--steps", "4", "--eval-every", "4"]  # the tests' tiny run, 4 steps, one evaluation
 RUNS = {  # name -> extra train.py flags (on the tiny target unless the name starts with smollm2)
     "eagle3": ["--strategy", "eagle3"],
     "eagle3-packed": ["--strategy", "eagle3", "--pack", "on", "--max-len", "256"],
