@@ -80,12 +80,22 @@ def open_store(spec: str, schema: dict | None = None):
     return FeatureStore(spec, schema)
 
 
-def fault_point(who: str, n: int):
+def fault_point(who: str, n: int, claim: Path | None = None):
     """Fault injection for the tests: NANOSPEC_FAULT=hang:WHO:N stops WHO here at its N-th pass
-    (a producer holding its N-th lease, the consumer after acking step N) until it is killed."""
-    if os.environ.get("NANOSPEC_FAULT") == f"hang:{who}:{n}":
-        print(f"[fault] {who} hangs at {n}", flush=True)
-        time.sleep(1e9)
+    (a producer holding its N-th lease, the consumer after acking step N) until it is killed.
+    hang:first-producer:N stops whichever producer reaches its N-th lease first (one of them
+    always does; a named one may not, when another starts sooner and takes the leases); `claim`
+    is the file that decides who was first."""
+    spec = os.environ.get("NANOSPEC_FAULT", "")
+    if spec == f"hang:first-producer:{n}" and claim is not None:
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+    elif spec != f"hang:{who}:{n}":
+        return
+    print(f"[fault] {who} hangs at {n}", flush=True)
+    time.sleep(1e9)
 
 
 # ====================================================================== producer
@@ -143,7 +153,7 @@ def produce(cfg):
                 continue
             idle = 0.01
             leases += 1
-            fault_point(name, leases)  # tests: hang here holding a lease
+            fault_point(name, leases, Path(control_dir(cfg)) / "fault.claim")  # tests: hang here holding a lease
             part = [samples[s] for _, s, _ in items]
             key = f"{items[0][0]:09d}-w{wid}-a{items[0][2]}"
             try:
