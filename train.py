@@ -124,9 +124,10 @@ class TrainConfig:
     (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
     device: str = "auto"
     """auto | cpu | cuda"""
-    backend: str = "hf"
+    backend: str = "auto"
     """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
-    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU)"""
+    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | auto = compiled on a GPU where it builds the target's
+    architecture (else hf, saying why), hf on CPU (compiling pays only on a GPU; hf is the reference)"""
     pad_to_max_len: bool = False
     """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
     of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
@@ -231,6 +232,21 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if getattr(cfg, name) != getattr(default, name):
             users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
             raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
+
+
+def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
+    """--backend auto -> (backend, why the compiled one is not taken on this GPU, or None)."""
+    if kind != "cuda":
+        return "hf", None
+    from models.fast_target import TargetConfig
+
+    try:
+        TargetConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
+    except (NotImplementedError, KeyError) as e:
+        return "hf", f"the compiled target does not build this one ({e})"
+    if not any(Path(target_dir).glob("*.safetensors")):
+        return "hf", f"{target_dir} has no .safetensors files (the compiled target reads only those)"
+    return "compiled", None
 
 
 def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
@@ -370,8 +386,8 @@ class Trainer:
             raise SystemExit(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
             )
-        if cfg.backend not in ("hf", "compiled"):
-            raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")
+        if cfg.backend not in ("auto", "hf", "compiled"):
+            raise SystemExit(f"--backend must be auto, hf or compiled, got {cfg.backend!r}")
         self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
@@ -385,7 +401,7 @@ class Trainer:
         # nondeterminism.
         self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
         if cfg.tp > 1:
-            if self.world % cfg.tp or cfg.backend != "compiled" or cfg.features or cfg.deploy.role:
+            if self.world % cfg.tp or cfg.backend == "hf" or cfg.features or cfg.deploy.role:
                 raise SystemExit(
                     f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
                     "with an online target (no --features, no disaggregated roles)"
@@ -404,6 +420,15 @@ class Trainer:
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
+        if cfg.backend == "auto":
+            backend, why = pick_backend(target_dir, kind)
+            if why:
+                self.print(f"[target] --backend hf: {why}")
+            self.cfg = cfg = dataclasses.replace(cfg, backend=backend)
+            if cfg.tp > 1 and backend == "hf":
+                raise SystemExit(
+                    f"--tp {cfg.tp} needs the compiled target: {why or 'hf on CPU'}; pass --backend compiled"
+                )
         V = target_vocab_size(target_dir)
         if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
             raise ConfigError(

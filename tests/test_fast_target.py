@@ -276,3 +276,28 @@ def test_cuda_bf16_eager_compiled_and_cudagraphs(kind):
             pad, full = fast(ids, mask), fast(ids)
         got[(mode or "compiled", "pad")], got[(mode or "compiled", "full")] = rel_err(pad, "pad"), rel_err(full, "full")
     assert all(e < budget[w] for (_, w), e in got.items()), (got, budget)
+
+
+def test_backend_auto_picks_compiled_on_gpu_where_it_builds(tmp_path):
+    """train.py --backend auto: compiled on a GPU for an architecture FastTarget builds from safetensors,
+    hf with the reason otherwise, and always hf on CPU (the reference; compiling pays only on a GPU)."""
+    import json
+
+    from train import pick_backend
+
+    llama = tmp_path / "llama"
+    hf_model("llama").save_pretrained(llama)
+    assert pick_backend(llama, "cuda") == ("compiled", None)
+    assert pick_backend(llama, "cpu") == ("hf", None)
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 97}))
+    backend, why = pick_backend(gpt2, "cuda")
+    assert backend == "hf" and "'gpt2' not supported" in why
+
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    (bins / "config.json").write_text((llama / "config.json").read_text())
+    backend, why = pick_backend(bins, "cuda")
+    assert backend == "hf" and "no .safetensors" in why
