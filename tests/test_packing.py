@@ -225,7 +225,7 @@ def test_eagle3_row_mates_unaffected():
 
 # ---------------------------------------------------------------- P-EAGLE
 def _peagle_step(target, draft, b, attention="dense", grad=True):
-    from models.peagle import make_peagle_batch, peagle_counts, peagle_host
+    from models.peagle import FAMILY, peagle_counts, peagle_host
 
     b = peagle_host(
         dict(b), draft.K, lambda i: torch.Generator().manual_seed(100 + i)
@@ -235,21 +235,7 @@ def _peagle_step(target, draft, b, attention="dense", grad=True):
         if "doc_ids" in b
         else target(b["input_ids"], b["attention_mask"])
     )
-    batch = make_peagle_batch(
-        feats,
-        b["input_ids"],
-        b["loss_mask"],
-        b["pe_pos"],
-        b["pe_depth"],
-        b["pe_doc"],
-        target.embed_tokens,
-        target.lm_head,
-        draft.draft_ids,
-        draft.t2d,
-        draft.config.mask_token_id,
-        b["pe_start"],
-        b["pe_end"],
-    )
+    batch = FAMILY.make_batch(feats, b, target, draft)
     counts = peagle_counts(batch, draft.K)
     draft.zero_grad()
     with torch.set_grad_enabled(grad):

@@ -11,9 +11,9 @@ from data.vocab import build_vocab_mapping, count_tokens
 from models.peagle import (
     DOWN_SAMPLE_MIN,
     DOWN_SAMPLE_RATIO,
+    FAMILY,
     PEagleConfig,
     PEagleDraft,
-    make_peagle_batch,
     peagle_counts,
     peagle_host,
     sample_rollouts,
@@ -54,19 +54,7 @@ def setup(
         if "norm" in n:
             p.data += 0.2 * torch.randn_like(p)
     feats = target(b["input_ids"], b["attention_mask"])
-    batch = make_peagle_batch(
-        feats,
-        b["input_ids"],
-        b["loss_mask"],
-        b["pe_pos"],
-        b["pe_depth"],
-        b["pe_doc"],
-        target.embed_tokens,
-        target.lm_head,
-        draft.draft_ids,
-        draft.t2d,
-        c.mask_token_id,
-    )
+    batch = FAMILY.make_batch(feats, b, target, draft)  # as train.py makes it
     return draft, batch, b, target, examples, feats
 
 
