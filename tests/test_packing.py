@@ -14,7 +14,8 @@ from data.chat import Example
 from data.datasets import collate
 from data.packing import first_fit_decreasing, pack, pad_rows
 from data.vocab import build_vocab_mapping
-from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch, select_rows
+from models.eagle3 import FAMILY as EAGLE3
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
 from models.fast_target import FastTarget
 from models.target import Target
 from tests.test_fast_target import hf_model
@@ -132,22 +133,16 @@ def _draft_setup(fc_norm=False, norm_output=False, seed=0):
     return target, draft, ex
 
 
+def _features(target, b):
+    """The target's features of a batch, packed (documents apart) or one conversation per row."""
+    if "doc_ids" in b:
+        return target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+    return target(b["input_ids"], b["attention_mask"])
+
+
 def _step(target, draft, b, attention, objective, host_rows):
-    feats = (
-        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
-        if "doc_ids" in b
-        else target(b["input_ids"], b["attention_mask"])
-    )
-    batch = make_batch(
-        feats,
-        b["input_ids"],
-        b["loss_mask"],
-        target.embed_tokens,
-        target.lm_head,
-        draft.draft_ids,
-        b.get("doc_ids"),
-        b.get("position_ids"),
-    )
+    feats = _features(target, b)
+    batch = EAGLE3.make_batch(feats, b, target, draft)
     counts = local_counts(batch, draft.t2d, K)
     rows = select_rows(b["loss_mask"], K, doc_ids_BT=b.get("doc_ids")) if host_rows else None
     draft.zero_grad()
@@ -230,11 +225,7 @@ def _peagle_step(target, draft, b, attention="dense", grad=True):
     b = peagle_host(
         dict(b), draft.K, lambda i: torch.Generator().manual_seed(100 + i)
     )  # per example, as train.py seeds them
-    feats = (
-        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
-        if "doc_ids" in b
-        else target(b["input_ids"], b["attention_mask"])
-    )
+    feats = _features(target, b)
     batch = FAMILY.make_batch(feats, b, target, draft)
     counts = peagle_counts(batch, draft.K)
     draft.zero_grad()
@@ -278,11 +269,7 @@ def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
     s = FAMILIES[name]
     b = s.host(dict(b), cfg, device, 3)  # draws seeded by (seed, key, example index), as in train.py
     b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
-    feats = (
-        target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
-        if "doc_ids" in b
-        else target(b["input_ids"], b["attention_mask"])
-    )
+    feats = _features(target, b)
     batch = s.make_batch(feats, b, target, draft)
     counts = s.counts(batch, draft, cfg)
     draft.zero_grad()
