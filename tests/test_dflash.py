@@ -12,11 +12,12 @@ from models.dflash import (
     DFlashConfig,
     DFlashDraft,
     block_counts,
+    block_family_batch,
     block_host,
     dpace_weights,
-    make_block_batch,
     sample_anchors,
 )
+from models.dspark import DSparkConfig, DSparkDraft
 from models.target import Target
 from tests.tiny import random_examples, tiny_llama
 
@@ -29,7 +30,6 @@ def setup(
     n_anchors=4,
     cls=DFlashDraft,
     cfg_cls=DFlashConfig,
-    prediction_offset=1,
     hidden=32,
     heads=4,
     target_p=False,
@@ -46,25 +46,13 @@ def setup(
     b = collate(examples)
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(examples))]
     b = block_host(b, n_anchors, lambda i: gens[i])
-    c = cfg_cls.from_target(hf.config, target.aux_layers, K + prediction_offset, mask_token_id=5, num_layers=2, **extra)
+    block_size = K + cls.prediction_offset  # DFlash: the anchor slot and K drafted; DSpark: K drafted
+    c = cfg_cls.from_target(hf.config, target.aux_layers, block_size, mask_token_id=5, num_layers=2, **extra)
     draft = cls(c)
     for p in draft.parameters():  # non-trivial norms
         p.data += 0.1 * torch.randn_like(p)
     feats = target(b["input_ids"], b["attention_mask"])
-    batch = make_block_batch(
-        feats,
-        b["input_ids"],
-        b["loss_mask"],
-        b["attention_mask"],
-        b["anchors"],
-        target.embed_tokens,
-        target.lm_head,
-        K,
-        c.block_size,
-        c.mask_token_id,
-        target_p=target_p,
-        prev_embeds=prev_embeds,
-    )
+    batch = block_family_batch(feats, b, target, draft, target_p=target_p, prev_embeds=prev_embeds)  # as train.py
     return draft, batch, b, target, examples
 
 
@@ -79,11 +67,13 @@ def test_anchor_sampling():
     assert sample_anchors([1, 0, 0], 4, torch.Generator()) == []
 
 
-@pytest.mark.parametrize("offset", [1, 0])  # dflash (slot 0 = anchor, predicts at 1..K), dspark (0..K-1)
-def test_block_batch_matches_loops(offset):
+@pytest.mark.parametrize(  # dflash (slot 0 = anchor, predicts at 1..K), dspark (0..K-1)
+    "cls,cfg_cls", [(DFlashDraft, DFlashConfig), (DSparkDraft, DSparkConfig)], ids=["dflash", "dspark"]
+)
+def test_block_batch_matches_loops(cls, cfg_cls):
     K = 3
-    draft, batch, b, target, examples = setup(seed=1, K=K, prediction_offset=offset)
-    bs = K + offset
+    draft, batch, b, target, examples = setup(seed=1, K=K, cls=cls, cfg_cls=cfg_cls)
+    bs = K + cls.prediction_offset
     E = target.embed_tokens.weight
     for i, e in enumerate(examples):
         n = len(e.input_ids)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from data.datasets import Example, collate
-from models.dflash import block_counts, block_host, make_block_batch
-from models.dspark import CE_ALPHA, CONF_ALPHA, GAMMA, L1_ALPHA, DSparkConfig, DSparkDraft, prefix_rows
+from models.dflash import block_counts, block_family_batch, block_host
+from models.dspark import CE_ALPHA, CONF_ALPHA, FAMILY, GAMMA, L1_ALPHA, DSparkConfig, DSparkDraft, prefix_rows
 from models.target import Target
 from tests.test_dflash import block_logits as dflash_block_logits  # noqa: F401  (same inference path)
 from tests.test_dflash import overfit, save_run, setup
@@ -24,7 +24,6 @@ def dspark_setup(seed=0, K=3, **kw):
         K=K,
         cls=DSparkDraft,
         cfg_cls=DSparkConfig,
-        prediction_offset=0,
         target_p=True,
         markov_rank=kw.pop("markov_rank", 6),
         **kw,
@@ -35,18 +34,7 @@ def dspark_setup(seed=0, K=3, **kw):
 
 def test_batch_prefix_rows_and_target_p():
     draft, batch, b, target, _ = dspark_setup(seed=1)
-    raw = make_block_batch(
-        target(b["input_ids"], b["attention_mask"]),
-        b["input_ids"],
-        b["loss_mask"],
-        b["attention_mask"],
-        b["anchors"],
-        target.embed_tokens,
-        target.lm_head,
-        draft.K,
-        draft.config.block_size,
-        5,
-    )
+    raw = block_family_batch(target(b["input_ids"], b["attention_mask"]), b, target, draft)  # before prefix_rows
     for i, j in zip(*torch.nonzero(batch.anchors > 0, as_tuple=True)):
         expect, alive = [], 1.0
         for k in range(draft.K):
@@ -126,20 +114,7 @@ def test_overfit_target_generated_data():
     b = block_host(collate(examples), 6, lambda i: torch.Generator().manual_seed(i))
     c = DSparkConfig.from_target(hf.config, target.aux_layers, 3, mask_token_id=5, num_layers=2, markov_rank=8)
     draft = DSparkDraft(c)
-    batch = make_block_batch(
-        target(b["input_ids"], b["attention_mask"]),
-        b["input_ids"],
-        b["loss_mask"],
-        b["attention_mask"],
-        b["anchors"],
-        target.embed_tokens,
-        target.lm_head,
-        3,
-        3,
-        5,
-        target_p=True,
-    )
-    batch.weights = prefix_rows(batch.weights)
+    batch = FAMILY.make_batch(target(b["input_ids"], b["attention_mask"]), b, target, draft)
     losses, acc = overfit(draft, batch, steps=60, lr=5e-3)
     assert losses[-1] < losses[0] / 3, losses[::5]
     assert acc >= 0.9, acc
