@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from data.datasets import collate
 from models.dflash import (
     DFlashConfig,
     DFlashDraft,
@@ -18,8 +17,7 @@ from models.dflash import (
     sample_anchors,
 )
 from models.dspark import DSparkConfig, DSparkDraft
-from models.target import Target
-from tests.tiny import random_examples, tiny_llama
+from tests.tiny import tiny_llama, tiny_target_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -39,11 +37,9 @@ def setup(
     init=0.02,
     **extra,
 ):
-    torch.manual_seed(seed)
-    hf = tiny_llama(seed=seed, hidden=hidden, heads=heads, initializer_range=init)
-    target = Target(hf)
-    examples = random_examples(n_examples, hf.config.vocab_size, min_len=5, max_len=max_len, seed=seed)
-    b = collate(examples)
+    hf, target, examples, b = tiny_target_batch(
+        seed, n_examples, min_len=5, max_len=max_len, hidden=hidden, heads=heads, initializer_range=init
+    )
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(examples))]
     b = block_host(b, n_anchors, lambda i: gens[i])
     block_size = K + cls.prediction_offset  # DFlash: the anchor slot and K drafted; DSpark: K drafted

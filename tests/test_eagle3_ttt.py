@@ -4,19 +4,13 @@ for every position, through a real KV cache (what inference does)."""
 import pytest
 import torch
 
-from data.datasets import collate
 from data.vocab import build_vocab_mapping, count_tokens
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch
-from models.target import Target
-from tests.tiny import random_examples, tiny_llama
+from tests.tiny import tiny_target_batch
 
 
 def setup(seed=0, draft_vocab=40, ttt=4, **model_kw):
-    torch.manual_seed(seed)
-    hf = tiny_llama(seed=seed, **model_kw)
-    target = Target(hf)
-    examples = random_examples(3, hf.config.vocab_size, min_len=4, max_len=11, seed=seed)
-    batch_t = collate(examples)
+    hf, target, examples, batch_t = tiny_target_batch(seed, **model_kw)
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), draft_vocab)
     cfg = Eagle3Config.from_target(hf.config, draft_vocab, target.aux_layers)
     draft = Eagle3Draft(cfg)

@@ -115,16 +115,10 @@ def test_load_balancing_loss():
 
 
 def _tiny_setup(seed, **moe):
-    from data.datasets import collate
     from data.vocab import build_vocab_mapping, count_tokens
-    from models.target import Target
-    from tests.tiny import random_examples, tiny_llama
+    from tests.tiny import tiny_target_batch
 
-    torch.manual_seed(seed)
-    hf = tiny_llama(seed=seed)
-    target = Target(hf)
-    examples = random_examples(3, hf.config.vocab_size, min_len=4, max_len=11, seed=seed)
-    b = collate(examples)
+    hf, target, examples, b = tiny_target_batch(seed)
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), 40)
     draft = Eagle3Draft(Eagle3Config.from_target(hf.config, 40, target.aux_layers, **moe))
     draft.d2t.copy_(d2t)

@@ -6,7 +6,6 @@ proposer is greedy; an overfit run on a tiny random target."""
 import pytest
 import torch
 
-from data.datasets import collate
 from data.vocab import build_vocab_mapping, count_tokens
 from models.peagle import (
     DOWN_SAMPLE_MIN,
@@ -18,8 +17,7 @@ from models.peagle import (
     peagle_host,
     sample_rollouts,
 )
-from models.target import Target
-from tests.tiny import random_examples, tiny_llama
+from tests.tiny import tiny_llama, tiny_target_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -36,11 +34,9 @@ def setup(
     fc_norm=False,
     norm_output=False,
 ):
-    torch.manual_seed(seed)
-    hf = tiny_llama(seed=seed, hidden=hidden, heads=heads, initializer_range=init)
-    target = Target(hf)
-    examples = random_examples(n_examples, hf.config.vocab_size, min_len=6, max_len=max_len, seed=seed)
-    b = collate(examples)
+    hf, target, examples, b = tiny_target_batch(
+        seed, n_examples, min_len=6, max_len=max_len, hidden=hidden, heads=heads, initializer_range=init
+    )
     gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(examples))]
     b = peagle_host(b, K, lambda i: gens[i])
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), draft_vocab)

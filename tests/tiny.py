@@ -31,6 +31,19 @@ def tiny_llama(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, seed=0, **kw)
     return LlamaForCausalLM(cfg).eval()
 
 
+def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):
+    """(hf model, its models/target.Target, random examples, their collated batch): a draft test's
+    tiny target and data, all seeded by `seed`."""
+    from data.datasets import collate
+    from models.target import Target
+
+    torch.manual_seed(seed)
+    hf = tiny_llama(seed=seed, **llama_kw)
+    target = Target(hf)
+    examples = random_examples(n_examples, hf.config.vocab_size, min_len=min_len, max_len=max_len, seed=seed)
+    return hf, target, examples, collate(examples)
+
+
 def random_examples(n, vocab, min_len=5, max_len=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
