@@ -217,29 +217,33 @@ def test_packaged_prompt_sets():
     assert he[0][0].startswith("from typing import List") and len(load_prompts("gsm8k", 5)) == 5
 
 
+def tiny_eval_args(tiny_run_inputs, tmp_path) -> dict:
+    """evaluate.EvalArgs fields for the tiny target and a random EAGLE-3 checkpoint of its own."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_export import make_checkpoint
+
+    target_dir, _ = tiny_run_inputs
+    run, _, _ = make_checkpoint(tmp_path, hf=AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab=64)
+    return dict(draft=str(run), target=str(target_dir), num_prompts=0)
+
+
 def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
     """The CLI end to end on a tiny target with SmolLM2's chat template: every mode reproduces
     greedy decoding (--check-greedy) and the JSON line holds the counters."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     import evaluate
-    from tests.test_export import make_checkpoint
 
-    target_dir, _ = tiny_run_inputs
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
-    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         json.dumps({"turns": ["Hi there", "And again"]}) + "\n" + json.dumps({"prompt": "Count to ten."}) + "\n"
     )
     res = evaluate.main(
         evaluate.EvalArgs(
-            draft=str(run),
-            target=str(target_dir),
+            **on_tiny,
             data=(str(prompts),),
-            num_prompts=0,
             max_new_tokens=12,
             k=(2, 3),
             tree_topk=2,
@@ -262,14 +266,9 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
     counters; the tree runs one at a time as before."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     import evaluate
-    from tests.test_export import make_checkpoint
 
-    target_dir, _ = tiny_run_inputs
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
-    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         "\n".join(
@@ -281,10 +280,8 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
     res = {
         b: evaluate.main(
             evaluate.EvalArgs(
-                draft=str(run),
-                target=str(target_dir),
+                **on_tiny,
                 data=(str(prompts),),
-                num_prompts=0,
                 max_new_tokens=12,
                 k=(3,),
                 tree_topk=2,
@@ -304,22 +301,15 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
     (it decodes nothing) and returns the same results; other weights or settings decode again."""
     import json
 
-    from transformers import AutoModelForCausalLM
-
     import evaluate
-    from tests.test_export import make_checkpoint
 
-    target_dir, _ = tiny_run_inputs
-    hf = AutoModelForCausalLM.from_pretrained(target_dir)
-    run, _, _ = make_checkpoint(tmp_path, hf=hf, draft_vocab=64)
+    on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     data = []
     for name, conv in (("a", {"prompt": "Count to ten."}), ("b", {"turns": ["Hi there", "And again"]})):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps(conv) + "\n")
         data.append(str(tmp_path / f"{name}.jsonl"))
     resume = tmp_path / "partial.json"
-    args = dict(
-        draft=str(run), target=str(target_dir), num_prompts=0, max_new_tokens=8, k=(2,), resume_file=str(resume)
-    )
+    args = dict(on_tiny, max_new_tokens=8, k=(2,), resume_file=str(resume))
     first = evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
     assert set(json.loads(resume.read_text())["results"]) == {"a"}
 
