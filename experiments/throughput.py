@@ -405,6 +405,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
         deadline = t_start + args.budget_s * (n + 1) / len(args.backends)  # an equal share of the budget each
         base_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         fits, tried = {}, set()
+        key = dict(model=model, backend=backend, seq=args.max_len)  # what names a row of this backend
 
         def attempt(B):
             tried.add(B)
@@ -415,16 +416,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
                 return True
             except Exception as e:  # OOM (expected at the edge) or a failure: recorded, the run goes on
                 oom = is_oom(e)
-                write(
-                    dict(
-                        model=model,
-                        backend=backend,
-                        seq=args.max_len,
-                        batch=B,
-                        oom=oom,
-                        error=None if oom else repr(e)[:500],
-                    )
-                )
+                write(dict(key, batch=B, oom=oom, error=None if oom else repr(e)[:500]))
                 if not oom:
                     import traceback
 
@@ -453,9 +445,7 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
             best = max(fits)
             write(
                 dict(
-                    model=model,
-                    backend=backend,
-                    seq=args.max_len,
+                    key,
                     summary=True,
                     max_batch=best,
                     max_batch_confirmed=(best + 1) in tried and (best + 1) not in fits,
