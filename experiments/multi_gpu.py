@@ -114,14 +114,13 @@ class Runner:
     def left(self) -> float:
         return self.deadline - time.time()
 
-    def run(self, cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> tuple[int | None, float]:
-        """(exit status or None if killed at the deadline, wall seconds)."""
+    def launch(self, cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+        """Start cmd in its own process group, its output in `log` after the command line."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
         with open(log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
-            p = subprocess.Popen(
+            return subprocess.Popen(
                 cmd,
                 cwd=ROOT,
                 stdout=f,
@@ -129,14 +128,20 @@ class Runner:
                 env={**self.env, **(env or {})},
                 start_new_session=True,
             )
-            self.live.add(p)
-            try:
-                rc = p.wait(timeout=max(1.0, min(deadline, self.deadline) - time.time()))
-            except subprocess.TimeoutExpired:
-                stop(p)
-                rc = None
+
+    def run(self, cmd: list[str], log: Path, deadline: float, env: dict | None = None) -> tuple[int | None, float]:
+        """(exit status or None if killed at the deadline, wall seconds)."""
+        t0 = time.time()
+        p = self.launch(cmd, log, env)
+        self.live.add(p)
+        try:
+            rc = p.wait(timeout=max(1.0, min(deadline, self.deadline) - time.time()))
+        except subprocess.TimeoutExpired:
+            stop(p)
+            rc = None
+            with open(log, "a") as f:
                 f.write(f"\n[multi_gpu] killed at the deadline after {time.time() - t0:.0f} s\n")
-            self.live.discard(p)
+        self.live.discard(p)
         return rc, time.time() - t0
 
     def overlaps(self, phase: str, t0: float, t1: float) -> list[str]:
@@ -705,19 +710,8 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     )
     flags += ["--control", str(control), "--store", str(store)] + args.disagg_args.split()
     plog = runner.out / "disagg" / "producer.log"
-    plog.parent.mkdir(parents=True, exist_ok=True)
     pcmd = [sys.executable, "train.py", *flags, "--role", "producer", "--worker-name", "p0"]
-    with open(plog, "w") as f:
-        f.write("$ " + " ".join(pcmd) + "\n")
-        f.flush()
-        producer = subprocess.Popen(
-            pcmd,
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**runner.env, "CUDA_VISIBLE_DEVICES": "0"},
-        )
+    producer = runner.launch(pcmd, plog, {"CUDA_VISIBLE_DEVICES": "0"})
     try:  # the consumer is one plain process (no torchrun): rank 0 of 1 on GPU 1
         crow = timed_run(
             runner,
