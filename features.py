@@ -1,11 +1,21 @@
 """Target features for the draft: the frozen target run over tokenized examples, packed as one
 FeatureStore shard (data/feature_store.py). Written offline by `capture.py features` and online by
-the disaggregated producers (disagg/roles.py)."""
+the disaggregated producers (disagg/roles.py).
+
+The target forward is ours (models/target.Target over transformers; --backend hf, the reference)
+or vLLM's (VllmTarget: --backend vllm, a vLLM engine in its own venv, tools/vllm_features.py):
+both return the same Features, so the store, the producers and the trainer do not tell them apart."""
+
+import fcntl
+import os
+from pathlib import Path
 
 import torch
 
 from data.datasets import collate
-from models.target import Target, fingerprint
+from models.target import Features, Target, TargetHeads, default_aux_layers, fingerprint, load_heads, resolve_target
+
+BACKENDS = ("hf", "compiled", "vllm")  # train.py / capture.py / producers --backend: who runs the target forward
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -51,3 +61,111 @@ def target_identity(target) -> dict:
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
     }
+
+
+def load_target(backend: str, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048):
+    """The target for --backend (max_len: the longest sample, which vLLM must accept)."""
+    if backend == "hf":
+        return Target.load(spec, aux_layers, dtype, device)
+    if backend == "compiled":
+        from models.fast_target import FastTarget  # imports flex attention and dynamo (seconds)
+
+        target = FastTarget.from_pretrained(spec, aux_layers, dtype, device)
+        if torch.device(device).type == "cuda":
+            target.compile_layers(dynamic=None)
+        return target
+    if backend == "vllm":
+        return VllmTarget.load(spec, aux_layers, dtype, device, max_len)
+    raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+class VllmTarget(TargetHeads):
+    """The target run by vLLM: Target's Features from vLLM's own forward (a long-lived engine,
+    tools/vllm_features.FeatureWorker). It asks vLLM for the aux layers' outputs and the last
+    layer's output, which vLLM gives before the final norm: the norm is applied here (loaded with
+    the embeddings and lm_head, which the trainer needs anyway), so final_hidden means what it
+    means for Target and logits = lm_head(final_hidden) are the target's. vLLM runs every
+    document as its own request, so packed rows (doc_ids) need no attention mask here."""
+
+    def __init__(self, heads: TargetHeads, worker):
+        super().__init__(heads.config, heads.embed_tokens, heads.lm_head, heads.aux_layers, heads.path, heads.norm)
+        self.worker = worker
+
+    @classmethod
+    def load(cls, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048) -> "VllmTarget":
+        from transformers import AutoConfig
+
+        from export import engine_aux_ids  # export.py owns every engine's layer ids
+        from tools.vllm_features import FeatureWorker
+
+        path = resolve_target(str(spec))
+        L = AutoConfig.from_pretrained(path).num_hidden_layers
+        layers = list(aux_layers) if aux_layers else default_aux_layers(L)
+        if any(not 0 <= i < L for i in layers):
+            raise ValueError(f"aux_layers {layers} out of range for a {L}-layer target")
+        heads = load_heads(path, layers, dtype, device, norm=True)
+        # vLLM id L = HF hidden_states[L] = the last layer's output before the final norm
+        ids = engine_aux_ids(layers, "vllm") + [L]
+        worker = FeatureWorker(path, ids, str(dtype).removeprefix("torch."), max_model_len=max_len + 1)
+        return cls(heads, worker)
+
+    def close(self):
+        self.worker.close()
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None, doc_ids=None, position_ids=None) -> Features:
+        """As Target.forward: [B, T] rows (right padding, or packed documents) -> Features [B, T, ...];
+        padding positions are zeros."""
+        B, T = input_ids.shape
+        if doc_ids is not None:  # (row, start, length) of every document
+            segs = [(b, s, n) for b in range(B) for s, n in _runs(doc_ids[b].tolist())]
+        else:
+            lengths = attention_mask.sum(1).tolist() if attention_mask is not None else [T] * B
+            segs = [(b, 0, int(n)) for b, n in enumerate(lengths)]
+        ids = input_ids.cpu()
+        prompts = [ids[b, s : s + n].tolist() for b, s, n in segs]
+        hidden = read_hidden(self.worker.hidden_files(prompts), prompts)
+        H = self.config.hidden_size
+        dtype, dev = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        aux = torch.zeros(B, T, len(self.aux_layers) * H, dtype=dtype, device=dev)
+        fin = torch.zeros(B, T, H, dtype=dtype, device=dev)
+        for (b, s, n), h in zip(segs, hidden):
+            h = h.to(dev, dtype)
+            aux[b, s : s + n] = h[:, :-1].flatten(1)
+            fin[b, s : s + n] = self.norm(h[:, -1])
+        return Features(aux_hidden=aux, final_hidden=fin)
+
+
+def _runs(doc: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each document of a packed row (doc ids never decrease; -1 = padding)."""
+    out, start = [], 0
+    for t in range(1, len(doc) + 1):
+        if t == len(doc) or doc[t] != doc[start]:
+            if doc[start] >= 0:
+                out.append((start, t - start))
+            start = t
+    return out
+
+
+def read_hidden(files: list[Path], prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The connector's files (tools/vllm_features.py), one per prompt: hidden states
+    [n, len(layer ids), H] each; the files and their lock files are deleted. A file whose
+    token ids are not its prompt's is an error (a mix-up must not become training data)."""
+    from safetensors.torch import load_file
+
+    out = []
+    for f, p in zip(files, prompts, strict=True):
+        lock = Path(f"{f}.lock")
+        if lock.exists():  # vLLM's writer thread holds it (LOCK_EX) until the file is complete
+            with open(lock) as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)
+        t = load_file(f)
+        if t["token_ids"].tolist() != list(p) or t["hidden_states"].shape[0] != len(p):
+            raise RuntimeError(
+                f"{f}: vLLM's hidden states are for other tokens ({t['hidden_states'].shape[0]} rows, "
+                f"{len(p)} prompt tokens)"
+            )
+        out.append(t["hidden_states"])
+        os.remove(f)
+        lock.unlink(missing_ok=True)
+    return out
