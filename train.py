@@ -35,6 +35,7 @@ from data.vocab import count_tokens
 from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
+from features import BACKENDS, VllmTarget
 from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
@@ -126,7 +127,8 @@ class TrainConfig:
     """auto | cpu | cuda"""
     backend: str = "hf"
     """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
-    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU)"""
+    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | vllm (a vLLM engine in its own venv, NANOSPEC_VLLM_VENV
+    or .venv-vllm; tools/vllm_features.py); online training and the disaggregated producers"""
     pad_to_max_len: bool = False
     """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
     of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
@@ -370,8 +372,8 @@ class Trainer:
             raise SystemExit(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
             )
-        if cfg.backend not in ("hf", "compiled"):
-            raise SystemExit(f"--backend must be hf or compiled, got {cfg.backend!r}")
+        if cfg.backend not in BACKENDS:
+            raise SystemExit(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
         self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
@@ -428,6 +430,8 @@ class Trainer:
                 )
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
+        elif cfg.backend == "vllm":
+            self.target = VllmTarget.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len)
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
@@ -912,6 +916,7 @@ def fmt(m: dict) -> str:
 
 
 def main(cfg: TrainConfig):
+    trainer = None
     try:
         validate(cfg)
         check_out(cfg, int(os.environ.get("RANK", 0)))
@@ -921,6 +926,8 @@ def main(cfg: TrainConfig):
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
+        if trainer is not None and isinstance(trainer.target, VllmTarget):
+            trainer.target.close()  # the engine process
         destroy()
     return res
 

@@ -36,8 +36,8 @@ from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_s
 from disagg.control import Controller, PipelineError, plan_items
 from disagg.mooncake_store import MooncakeFeatureStore, start_master
 from distributed import destroy, pick_device
-from features import capture_examples, target_identity
-from models.target import Target, default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
+from features import capture_examples, load_target, target_identity
+from models.target import default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def produce(cfg):
     ctl = Controller(control_dir(cfg), d.lease_timeout, d.max_attempts)
     ctl.init_plan(plan_items(batches, total, len(evals)), fp, cfg.batch_size)
     n, high, low = watermarks(cfg)
-    target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
+    target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len)
     H = target.config.hidden_size
     store = open_store(
         store_spec(cfg), feature_schema(target_identity(target), target.aux_layers, H, dtype, {"plan": fp})
@@ -174,6 +174,8 @@ def produce(cfg):
     finally:
         beat.stop.set()
         ctl.leave(wid)
+        if hasattr(target, "close"):  # --backend vllm: the engine process
+            target.close()
     print(f"[producer {name}] done: {produced} samples in {leases} leases, {time.time() - t0:.1f} s", flush=True)
 
 
