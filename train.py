@@ -431,7 +431,9 @@ class Trainer:
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         elif cfg.backend == "vllm":
-            self.target = VllmTarget.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len)
+            self.target = VllmTarget.load(
+                target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len
+            )
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)

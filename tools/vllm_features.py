@@ -66,7 +66,9 @@ class FeatureWorker:
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
             TOKENIZERS_PARALLELISM="false",
-            PYTHONPATH=str(ROOT),  # inside the venv: this file, and vLLM's engine process the connector, import from here
+            PYTHONPATH=str(
+                ROOT
+            ),  # inside the venv: this file, and vLLM's engine process the connector, import from here
         )
         env.pop("VIRTUAL_ENV", None)
         r, w = os.pipe()
