@@ -1,7 +1,7 @@
 """Feature-producer throughput: our HF target vs vLLM (--backend hf / vllm), side by side on the
 same conversations, in one run, as `capture.py features` produces them.
 
-    ./dev python experiments/producer_throughput.py                 # ~5 minutes on a 2-core CPU
+    ./dev python experiments/producer_throughput.py                 # ~8 minutes on a 2-core CPU
     ./dev python experiments/producer_throughput.py --out experiments/results/vllm_producer_cpu.jsonl
 
 Conversations: the first --num-records of --data, tokenized as train.py / capture.py do (--max-len).
@@ -29,12 +29,12 @@ sys.path.insert(0, str(ROOT))
 @dataclass
 class Args:
     target: str = "smollm2"
-    data: str = "sharegpt-greedy"
-    """as train.py --data"""
-    num_records: int = 16
-    max_len: int = 256
+    data: str = "sharegpt"
+    """as train.py --data (the packaged ShareGPT: its order is not sorted by length, unlike sharegpt-greedy's head)"""
+    num_records: int = 24
+    max_len: int = 384
     """as capture.py --max-len"""
-    batch_tokens: int = 4096
+    batch_tokens: int = 32768
     """padded tokens per target forward (capture.py --batch-tokens)"""
     producers: tuple[str, ...] = ("hf", "vllm")
     out: str = ""
