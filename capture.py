@@ -39,6 +39,7 @@ from distributed import all_sum, barrier, destroy, init_distributed, pick_device
 from features import BACKENDS, capture_examples, load_target, target_identity
 from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target
 from runlog import git_commit, hardware, run_metadata, versions
+from tools.vllm_features import vllm_target
 
 
 # ====================================================================== features
@@ -90,7 +91,9 @@ def features(cfg: FeaturesConfig) -> dict:
         stats = Counter()
         records = load_records(cfg.data, cfg.num_records or None)
         examples = build_examples(records, tokenizer, cfg.max_len, stats)
-        target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len)
+        target = load_target(
+            cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target
+        )
         H = target.config.hidden_size
         bytes_per_token = (len(target.aux_layers) + 1) * H * dtype.itemsize + 4 + 1
         data = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.datasets import collate
-from models.target import Features, Target, TargetHeads, default_aux_layers, fingerprint, load_heads, resolve_target
+from models.target import Features, Target, TargetHeads, fingerprint
 
 BACKENDS = ("hf", "compiled", "vllm")  # train.py / capture.py / producers --backend: who runs the target forward
 
@@ -63,8 +63,12 @@ def target_identity(target) -> dict:
     }
 
 
-def load_target(backend: str, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048):
-    """The target for --backend (max_len: the longest sample, which vLLM must accept)."""
+def load_target(
+    backend: str, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048, vllm_target=None
+):
+    """The target for --backend (max_len: the longest sample, which vLLM must accept). vllm_target:
+    tools/vllm_features.vllm_target, passed in by the entry scripts (vLLM's venv and layer ids belong
+    to tools/ and export.py, which library code does not import)."""
     if backend == "hf":
         return Target.load(spec, aux_layers, dtype, device)
     if backend == "compiled":
@@ -75,39 +79,24 @@ def load_target(backend: str, spec, aux_layers=None, dtype=torch.float32, device
             target.compile_layers(dynamic=None)
         return target
     if backend == "vllm":
-        return VllmTarget.load(spec, aux_layers, dtype, device, max_len)
+        if vllm_target is None:
+            raise ValueError("--backend vllm: the caller passes tools/vllm_features.vllm_target")
+        return vllm_target(spec, aux_layers, dtype, device, max_len)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 class VllmTarget(TargetHeads):
     """The target run by vLLM: Target's Features from vLLM's own forward (a long-lived engine,
-    tools/vllm_features.FeatureWorker). It asks vLLM for the aux layers' outputs and the last
-    layer's output, which vLLM gives before the final norm: the norm is applied here (loaded with
-    the embeddings and lm_head, which the trainer needs anyway), so final_hidden means what it
-    means for Target and logits = lm_head(final_hidden) are the target's. vLLM runs every
-    document as its own request, so packed rows (doc_ids) need no attention mask here."""
+    tools/vllm_features.FeatureWorker; built by tools/vllm_features.vllm_target). It asks vLLM for
+    the aux layers' outputs and the last layer's output, which vLLM gives before the final norm:
+    the norm is applied here (loaded with the embeddings and lm_head, which the trainer needs
+    anyway), so final_hidden means what it means for Target and logits = lm_head(final_hidden)
+    are the target's. vLLM runs every document as its own request, so packed rows (doc_ids) need
+    no attention mask here."""
 
     def __init__(self, heads: TargetHeads, worker):
         super().__init__(heads.config, heads.embed_tokens, heads.lm_head, heads.aux_layers, heads.path, heads.norm)
         self.worker = worker
-
-    @classmethod
-    def load(cls, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048) -> "VllmTarget":
-        from transformers import AutoConfig
-
-        from export import engine_aux_ids  # export.py owns every engine's layer ids
-        from tools.vllm_features import FeatureWorker
-
-        path = resolve_target(str(spec))
-        L = AutoConfig.from_pretrained(path).num_hidden_layers
-        layers = list(aux_layers) if aux_layers else default_aux_layers(L)
-        if any(not 0 <= i < L for i in layers):
-            raise ValueError(f"aux_layers {layers} out of range for a {L}-layer target")
-        heads = load_heads(path, layers, dtype, device, norm=True)
-        # vLLM id L = HF hidden_states[L] = the last layer's output before the final norm
-        ids = engine_aux_ids(layers, "vllm") + [L]
-        worker = FeatureWorker(path, ids, str(dtype).removeprefix("torch."), max_model_len=max_len + 1)
-        return cls(heads, worker)
 
     def close(self):
         self.worker.close()

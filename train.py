@@ -41,6 +41,7 @@ from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
+from tools.vllm_features import vllm_target
 
 
 @dataclass
@@ -431,9 +432,7 @@ class Trainer:
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         elif cfg.backend == "vllm":
-            self.target = VllmTarget.load(
-                target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len
-            )
+            self.target = vllm_target(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len)
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
@@ -956,7 +955,7 @@ if __name__ == "__main__":
             ):  # the launcher: the options and --out before starting the pools (a consumer restarted
                 validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
                 check_out(cfg)
-            disagg_main(cfg, Trainer)
+            disagg_main(cfg, Trainer, vllm_target)
         except (ConfigError, CheckpointError) as e:
             raise SystemExit(f"error: {e}") from None
     else:

@@ -111,7 +111,7 @@ class Heartbeat(threading.Thread):
             self.ctl.beat(self.wid)
 
 
-def produce(cfg):
+def produce(cfg, vllm_target=None):
     d = cfg.deploy
     kind, dtype = pick_device(cfg.device, "auto")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
@@ -125,7 +125,7 @@ def produce(cfg):
     ctl = Controller(control_dir(cfg), d.lease_timeout, d.max_attempts)
     ctl.init_plan(plan_items(batches, total, len(evals)), fp, cfg.batch_size)
     n, high, low = watermarks(cfg)
-    target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len)
+    target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target)
     H = target.config.hidden_size
     store = open_store(
         store_spec(cfg), feature_schema(target_identity(target), target.aux_layers, H, dtype, {"plan": fp})
@@ -358,12 +358,13 @@ def launch(cfg):
             master.wait()
 
 
-def main(cfg, Trainer):
-    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks."""
+def main(cfg, Trainer, vllm_target=None):
+    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks;
+    vllm_target: tools/vllm_features.vllm_target, for producers with --backend vllm."""
     role = cfg.deploy.role
     try:
         if role == "producer":
-            return produce(cfg)
+            return produce(cfg, vllm_target)
         if role == "consumer":
             return consume(cfg, Trainer)
         return launch(cfg)

@@ -48,6 +48,7 @@ def main(args: Args):
     from features import capture_examples, load_target
     from models.target import load_tokenizer, resolve_target
     from runlog import hardware, versions
+    from tools.vllm_features import vllm_target
 
     target_dir = resolve_target(args.target)
     examples = build_examples(load_records(args.data, args.num_records), load_tokenizer(target_dir), args.max_len)
@@ -56,7 +57,7 @@ def main(args: Args):
     ref, rows = None, []
     for producer in args.producers:
         t0 = time.time()
-        target = load_target(producer, target_dir, None, torch.float32, "cpu", args.max_len)
+        target = load_target(producer, target_dir, None, torch.float32, "cpu", args.max_len, vllm_target)
         startup = time.time() - t0
         try:
             capture_examples(target, examples[:4], args.batch_tokens, "cpu")  # warm-up

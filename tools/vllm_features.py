@@ -6,7 +6,9 @@ vLLM's `extract_hidden_states` speculative method caches the target's hidden sta
 before the final norm) and a KV connector writes them per request to a safetensors file
 {"hidden_states": [n, len(ids), H], "token_ids": [n]}. The stock ExampleHiddenStatesConnector
 copies through CUDA streams into pinned memory, which the CPU build cannot do:
-tools/vllm_cpu_connector.py is the same connector writing from the CPU.
+tools/vllm_cpu_connector.py is the same connector writing from the CPU (used where vLLM sees no
+GPU; on a GPU the stock one). Written for vLLM 0.32; the GPU path is not tested here (no GPU
+build of vLLM on this machine).
 
 Two halves: `FeatureWorker` for the caller (stdlib only, importable from nanospec: start the
 engine once, ~30 s on CPU, then feed it batches), and `main`, which runs inside the venv:
@@ -14,7 +16,7 @@ engine once, ~30 s on CPU, then feed it batches), and `main`, which runs inside 
     .venv-vllm/bin/python tools/vllm_features.py job.json REPLY_FD < requests
 
 job.json: {"target": dir, "layer_ids": [vLLM ids], "dtype": "float32", "max_model_len": N,
-           "storage": dir}
+           "storage": dir, "gpu_memory_utilization" (GPU only)}
 requests on stdin, one JSON line each: {"prompts": [[token ids], ...]}
 replies on REPLY_FD (vLLM logs to stdout), one JSON line each: first {"ready": true,
 "vllm_version"}, then per request {"files": [path per prompt, in order], "seconds"} or {"error"}.
@@ -49,7 +51,10 @@ class FeatureWorker:
         venv: Path = DEFAULT_VENV,
         start_timeout: float = 600,
         log_path: Path | None = None,
+        gpu: str | None = None,
     ):
+        """gpu: the CUDA device (as CUDA_VISIBLE_DEVICES names it) the engine runs on, beside a
+        trainer; None = vLLM's default (the CPU build: the CPU)."""
         py = ensure_venv(venv)
         self.tmp = tempfile.TemporaryDirectory(prefix="nanospec-vllm-")
         root = Path(self.tmp.name)
@@ -59,6 +64,8 @@ class FeatureWorker:
             "dtype": dtype,
             "max_model_len": int(max_model_len),
             "storage": str(root / "hidden"),
+            # beside a trainer on one GPU the engine takes part of its memory, not vLLM's default 0.9
+            **({"gpu_memory_utilization": 0.4} if gpu is not None else {}),
         }
         (root / "job.json").write_text(json.dumps(job))
         self.log_path = Path(log_path) if log_path else root / "vllm.log"
@@ -71,6 +78,8 @@ class FeatureWorker:
             ),  # inside the venv: this file, and vLLM's engine process the connector, import from here
         )
         env.pop("VIRTUAL_ENV", None)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         r, w = os.pipe()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
@@ -122,6 +131,35 @@ class FeatureWorker:
         self.tmp.cleanup()
 
 
+def vllm_target(spec, aux_layers=None, dtype=None, device="cpu", max_len: int = 2048):
+    """features.VllmTarget for --backend vllm (the nanospec side; imports torch): the target's
+    embeddings, lm_head and final norm, and an engine asked for the aux layers' outputs plus the last
+    layer's (vLLM id L = HF hidden_states[L], before the final norm, which VllmTarget applies)."""
+    import torch
+    from transformers import AutoConfig
+
+    from export import engine_aux_ids  # export.py owns every engine's layer ids
+    from features import VllmTarget
+    from models.target import default_aux_layers, load_heads, resolve_target
+
+    dtype = dtype or torch.float32
+    path = resolve_target(str(spec))
+    L = AutoConfig.from_pretrained(path).num_hidden_layers
+    layers = list(aux_layers) if aux_layers else default_aux_layers(L)
+    if any(not 0 <= i < L for i in layers):
+        raise ValueError(f"aux_layers {layers} out of range for a {L}-layer target")
+    heads = load_heads(path, layers, dtype, device, norm=True)
+    gpu = None
+    if torch.device(device).type == "cuda":  # the engine runs on this rank's GPU, beside the trainer
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu = visible.split(",")[index] if visible else str(index)
+    dt = str(dtype).removeprefix("torch.")
+    worker = FeatureWorker(path, engine_aux_ids(layers, "vllm") + [L], dt, max_model_len=max_len + 1, gpu=gpu)
+    return VllmTarget(heads, worker)
+
+
 # ---- inside the vLLM venv ----
 def main(job_path: str, reply_fd: str):
     job = json.load(open(job_path))
@@ -132,9 +170,17 @@ def main(job_path: str, reply_fd: str):
         replies.flush()
 
     try:
+        import torch
         from vllm import LLM, SamplingParams, __version__
         from vllm.inputs import TokensPrompt
 
+        # the stock connector copies through CUDA streams into pinned memory: right on a GPU, fails on the CPU build
+        connector = (
+            {"kv_connector": "ExampleHiddenStatesConnector"}
+            if torch.cuda.is_available()
+            else {"kv_connector": CONNECTOR, "kv_connector_module_path": "tools.vllm_cpu_connector"}
+        )
+        extra = {k: job[k] for k in ("gpu_memory_utilization",) if k in job}
         llm = LLM(
             model=job["target"],
             dtype=job["dtype"],
@@ -149,11 +195,11 @@ def main(job_path: str, reply_fd: str):
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": job["layer_ids"]}},
             },
             kv_transfer_config={
-                "kv_connector": CONNECTOR,
-                "kv_connector_module_path": "tools.vllm_cpu_connector",
+                **connector,
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": job["storage"]},
             },
+            **extra,
         )
     except Exception as e:  # noqa: BLE001 (reported to the caller, which raises)
         reply(error=f"{type(e).__name__}: {e}")
