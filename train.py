@@ -753,7 +753,7 @@ class Trainer:
         n_target = 0
         if not isinstance(
             self.target, TargetHeads
-        ):  # a target forward runs here (not offline / a consumer of producers)
+        ):  # a target forward runs here (not offline / a consumer of producers / --backend vllm: vLLM's process)
             t = self.target
             n_target = (
                 param_count(t)

@@ -135,7 +135,8 @@ def produce(cfg, vllm_target=None):
     beat = Heartbeat(control_dir(cfg), wid, d.heartbeat)
     beat.start()
     print(
-        f"[producer {name}] target {target_dir} ({dtype}, --backend {cfg.backend}), lease {n}, watermarks {low}/{high}, store {store_spec(cfg)}",
+        f"[producer {name}] target {target_dir} ({dtype}, --backend {cfg.backend}), lease {n}, "
+        f"watermarks {low}/{high}, store {store_spec(cfg)}",
         flush=True,
     )
     leases, produced, t0, idle = 0, 0, time.time(), 0.01

@@ -10,8 +10,10 @@ tools/vllm_cpu_connector.py is the same connector writing from the CPU (used whe
 GPU; on a GPU the stock one). Written for vLLM 0.32; the GPU path is not tested here (no GPU
 build of vLLM on this machine).
 
-Two halves: `FeatureWorker` for the caller (stdlib only, importable from nanospec: start the
-engine once, ~30 s on CPU, then feed it batches), and `main`, which runs inside the venv:
+Two halves: for the caller, `FeatureWorker` (stdlib only: start the engine once, 85-100 s on this
+loaded 2-core CPU, then feed it batches) and `vllm_target` (the features.VllmTarget that
+capture.py, train.py and the producers use for --backend vllm; it imports torch when called), and
+`main`, which runs inside the venv:
 
     .venv-vllm/bin/python tools/vllm_features.py job.json REPLY_FD < requests
 
