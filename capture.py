@@ -6,7 +6,9 @@
 features    Tokenizes D exactly as train.py does (same --num-records / --max-len, so sample id i
             is train.py's example i; train.py applies --holdout to the ids), runs the target and
             stores per sample input_ids, loss_mask, the aux-layer hidden states and the final
-            (normed) hidden state in a FeatureStore (data/feature_store.py) in --dtype. Logits
+            (normed) hidden state in a FeatureStore (data/feature_store.py) in --dtype, from our
+            target (--backend hf, the default, or compiled) or from vLLM (--backend vllm: one
+            engine in its own venv, tools/vllm_features.py; the same store, keys and schema). Logits
             are not stored: train.py recomputes them with the frozen lm_head. Samples are packed
             into shards of ~--shard-mb by a plan that depends only on the sample lengths; rank r
             of W captures shards r, r+W, ...; a rerun skips shards already in the store.
@@ -34,9 +36,10 @@ from data.chat import DataError, to_messages
 from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
 from distributed import all_sum, barrier, destroy, init_distributed, pick_device
-from features import capture_examples, target_identity
-from models.target import DEFAULT_TARGET, Target, fingerprint, load_tokenizer, resolve_target
+from features import BACKENDS, capture_examples, load_target, target_identity
+from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target
 from runlog import git_commit, hardware, run_metadata, versions
+from tools.vllm_features import vllm_target
 
 
 # ====================================================================== features
@@ -62,10 +65,15 @@ class FeaturesConfig:
     """padded tokens per target forward"""
     time_limit: float = 0
     """seconds; stop cleanly (after a shard) before exceeding it; rerun to resume (0 = none)"""
+    backend: str = "hf"
+    """target forward: hf (transformers; the reference) | compiled (models/fast_target.py) | vllm (a vLLM engine in
+    its own venv, NANOSPEC_VLLM_VENV or .venv-vllm, created when missing; tools/vllm_features.py)"""
     device: str = "auto"
 
 
 def features(cfg: FeaturesConfig) -> dict:
+    if cfg.backend not in BACKENDS:
+        raise SystemExit(f"error: --backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     t_start = time.time()
     rank, world, local = init_distributed(kind)
@@ -73,6 +81,7 @@ def features(cfg: FeaturesConfig) -> dict:
     if kind == "cuda":
         torch.cuda.set_device(device)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    target = None
     try:
         if rank == 0:
             resolve_target(cfg.target)  # a GGUF is converted once, by rank 0
@@ -82,7 +91,9 @@ def features(cfg: FeaturesConfig) -> dict:
         stats = Counter()
         records = load_records(cfg.data, cfg.num_records or None)
         examples = build_examples(records, tokenizer, cfg.max_len, stats)
-        target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
+        target = load_target(
+            cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target
+        )
         H = target.config.hidden_size
         bytes_per_token = (len(target.aux_layers) + 1) * H * dtype.itemsize + 4 + 1
         data = {
@@ -104,7 +115,7 @@ def features(cfg: FeaturesConfig) -> dict:
         say(
             f"[capture] {len(examples)} samples ({sum(len(e.input_ids) for e in examples)} tokens) in "
             f"{len(plan)} shards; {world} rank(s); rank 0 has {len(todo)}/{len(mine)} shards to do; "
-            f"{dtype}, target {target_dir}"
+            f"{dtype}, target {target_dir} ({cfg.backend})"
         )
         t0, tokens, nbytes, done, last = time.time(), 0, 0, 0, 0.0
         stopped = False
@@ -118,7 +129,7 @@ def features(cfg: FeaturesConfig) -> dict:
             path = store.put(
                 key,
                 tensors,
-                meta={"target_path": str(target_dir)},
+                meta={"target_path": str(target_dir), "backend": cfg.backend},
                 samples=[(first + j, len(e.input_ids)) for j, e in enumerate(part)],
             )
             n = int(tensors["input_ids"].numel())
@@ -150,6 +161,8 @@ def features(cfg: FeaturesConfig) -> dict:
             print(json.dumps({"capture": res}), flush=True)
         return res
     finally:
+        if hasattr(target, "close"):  # --backend vllm: the engine process
+            target.close()
         destroy()
 
 

@@ -1,11 +1,23 @@
 """Target features for the draft: the frozen target run over tokenized examples, packed as one
 FeatureStore shard (data/feature_store.py). Written offline by `capture.py features` and online by
-the disaggregated producers (disagg/roles.py)."""
+the disaggregated producers (disagg/roles.py).
+
+The target forward is ours (models/target.Target over transformers; --backend hf, the reference)
+or vLLM's (VllmTarget: --backend vllm, a vLLM engine in its own venv, tools/vllm_features.py):
+both return the same Features, so the store, the producers and the trainer do not tell them apart."""
+
+import fcntl
+import json
+import os
+from pathlib import Path
 
 import torch
 
 from data.datasets import collate
-from models.target import Target, fingerprint
+from models.target import Features, Target, TargetHeads, fingerprint
+
+BACKENDS = ("hf", "compiled", "vllm")  # train.py / capture.py / producers --backend: who runs the target forward
+# (train.py's default "auto" is resolved by pick_backend)
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -51,3 +63,119 @@ def target_identity(target) -> dict:
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
     }
+
+
+def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
+    """--backend auto -> (backend, why the compiled one is not taken on this GPU, or None)."""
+    if kind != "cuda":
+        return "hf", None
+    from models.fast_target import TargetConfig
+
+    try:
+        TargetConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
+    except (NotImplementedError, KeyError) as e:
+        return "hf", f"the compiled target does not build this one ({e})"
+    if not any(Path(target_dir).glob("*.safetensors")):
+        return "hf", f"{target_dir} has no .safetensors files (the compiled target reads only those)"
+    return "compiled", None
+
+
+def load_target(
+    backend: str, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048, vllm_target=None
+):
+    """The target for --backend (max_len: the longest sample, which vLLM must accept). vllm_target:
+    tools/vllm_features.vllm_target, passed in by the entry scripts (vLLM's venv and layer ids belong
+    to tools/ and export.py, which library code does not import)."""
+    if backend == "auto":
+        backend, why = pick_backend(spec, torch.device(device).type)
+        if why:
+            print(f"[target] --backend hf: {why}", flush=True)
+    if backend == "hf":
+        return Target.load(spec, aux_layers, dtype, device)
+    if backend == "compiled":
+        from models.fast_target import FastTarget  # imports flex attention and dynamo (seconds)
+
+        target = FastTarget.from_pretrained(spec, aux_layers, dtype, device)
+        if torch.device(device).type == "cuda":
+            target.compile_layers(dynamic=None)
+        return target
+    if backend == "vllm":
+        if vllm_target is None:
+            raise ValueError("--backend vllm: the caller passes tools/vllm_features.vllm_target")
+        return vllm_target(spec, aux_layers, dtype, device, max_len)
+    raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+class VllmTarget(TargetHeads):
+    """The target run by vLLM: Target's Features from vLLM's own forward (a long-lived engine,
+    tools/vllm_features.FeatureWorker; built by tools/vllm_features.vllm_target). It asks vLLM for
+    the aux layers' outputs and the last layer's output, which vLLM gives before the final norm:
+    the norm is applied here (loaded with the embeddings and lm_head, which the trainer needs
+    anyway), so final_hidden means what it means for Target and logits = lm_head(final_hidden)
+    are the target's. vLLM runs every document as its own request, so packed rows (doc_ids) need
+    no attention mask here."""
+
+    def __init__(self, heads: TargetHeads, worker):
+        super().__init__(heads.config, heads.embed_tokens, heads.lm_head, heads.aux_layers, heads.path, heads.norm)
+        self.worker = worker
+
+    def close(self):
+        self.worker.close()
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None, doc_ids=None, position_ids=None) -> Features:
+        """As Target.forward: [B, T] rows (right padding, or packed documents) -> Features [B, T, ...];
+        padding positions are zeros."""
+        B, T = input_ids.shape
+        if doc_ids is not None:  # (row, start, length) of every document
+            segs = [(b, s, n) for b in range(B) for s, n in _runs(doc_ids[b].tolist())]
+        else:
+            lengths = attention_mask.sum(1).tolist() if attention_mask is not None else [T] * B
+            segs = [(b, 0, int(n)) for b, n in enumerate(lengths)]
+        ids = input_ids.cpu()
+        prompts = [ids[b, s : s + n].tolist() for b, s, n in segs]
+        hidden = read_hidden(self.worker.hidden_files(prompts), prompts)
+        H = self.config.hidden_size
+        dtype, dev = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        aux = torch.zeros(B, T, len(self.aux_layers) * H, dtype=dtype, device=dev)
+        fin = torch.zeros(B, T, H, dtype=dtype, device=dev)
+        for (b, s, n), h in zip(segs, hidden):
+            h = h.to(dev, dtype)
+            aux[b, s : s + n] = h[:, :-1].flatten(1)
+            fin[b, s : s + n] = self.norm(h[:, -1])
+        return Features(aux_hidden=aux, final_hidden=fin)
+
+
+def _runs(doc: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each document of a packed row (doc ids never decrease; -1 = padding)."""
+    out, start = [], 0
+    for t in range(1, len(doc) + 1):
+        if t == len(doc) or doc[t] != doc[start]:
+            if doc[start] >= 0:
+                out.append((start, t - start))
+            start = t
+    return out
+
+
+def read_hidden(files: list[Path], prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The connector's files (tools/vllm_features.py), one per prompt: hidden states
+    [n, len(layer ids), H] each; the files and their lock files are deleted. A file whose
+    token ids are not its prompt's is an error (a mix-up must not become training data)."""
+    from safetensors.torch import load_file
+
+    out = []
+    for f, p in zip(files, prompts, strict=True):
+        lock = Path(f"{f}.lock")
+        if lock.exists():  # vLLM's writer thread holds it (LOCK_EX) until the file is complete
+            with open(lock) as lf:
+                fcntl.flock(lf, fcntl.LOCK_SH)
+        t = load_file(f)
+        if t["token_ids"].tolist() != list(p) or t["hidden_states"].shape[0] != len(p):
+            raise RuntimeError(
+                f"{f}: vLLM's hidden states are for other tokens ({t['hidden_states'].shape[0]} rows, "
+                f"{len(p)} prompt tokens)"
+            )
+        out.append(t["hidden_states"])
+        os.remove(f)
+        lock.unlink(missing_ok=True)
+    return out

@@ -35,11 +35,13 @@ from data.vocab import count_tokens
 from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
+from features import BACKENDS, VllmTarget, pick_backend
 from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata
+from tools.vllm_features import vllm_target
 
 
 @dataclass
@@ -126,8 +128,10 @@ class TrainConfig:
     """auto | cpu | cuda"""
     backend: str = "auto"
     """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
-    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | auto = compiled on a GPU where it builds the target's
-    architecture (else hf, saying why), hf on CPU (compiling pays only on a GPU; hf is the reference)"""
+    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | vllm (a vLLM engine in its own venv, NANOSPEC_VLLM_VENV
+    or .venv-vllm; tools/vllm_features.py; online training and the disaggregated producers) | auto = compiled on a
+    GPU where it builds the target's architecture (else hf, saying why), hf on CPU (compiling pays only on a GPU;
+    hf is the reference)"""
     pad_to_max_len: bool = False
     """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
     of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
@@ -232,21 +236,6 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if getattr(cfg, name) != getattr(default, name):
             users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
             raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
-
-
-def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
-    """--backend auto -> (backend, why the compiled one is not taken on this GPU, or None)."""
-    if kind != "cuda":
-        return "hf", None
-    from models.fast_target import TargetConfig
-
-    try:
-        TargetConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
-    except (NotImplementedError, KeyError) as e:
-        return "hf", f"the compiled target does not build this one ({e})"
-    if not any(Path(target_dir).glob("*.safetensors")):
-        return "hf", f"{target_dir} has no .safetensors files (the compiled target reads only those)"
-    return "compiled", None
 
 
 def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
@@ -386,8 +375,8 @@ class Trainer:
             raise SystemExit(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
             )
-        if cfg.backend not in ("auto", "hf", "compiled"):
-            raise SystemExit(f"--backend must be auto, hf or compiled, got {cfg.backend!r}")
+        if cfg.backend not in ("auto", *BACKENDS):
+            raise SystemExit(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
         self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
@@ -401,7 +390,7 @@ class Trainer:
         # nondeterminism.
         self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
         if cfg.tp > 1:
-            if self.world % cfg.tp or cfg.backend == "hf" or cfg.features or cfg.deploy.role:
+            if self.world % cfg.tp or cfg.backend not in ("auto", "compiled") or cfg.features or cfg.deploy.role:
                 raise SystemExit(
                     f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
                     "with an online target (no --features, no disaggregated roles)"
@@ -453,6 +442,8 @@ class Trainer:
                 )
             if kind == "cuda":
                 self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
+        elif cfg.backend == "vllm":
+            self.target = vllm_target(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len)
         else:
             self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
@@ -773,7 +764,7 @@ class Trainer:
         n_target = 0
         if not isinstance(
             self.target, TargetHeads
-        ):  # a target forward runs here (not offline / a consumer of producers)
+        ):  # a target forward runs here (not offline / a consumer of producers / --backend vllm: vLLM's process)
             t = self.target
             n_target = (
                 param_count(t)
@@ -937,6 +928,7 @@ def fmt(m: dict) -> str:
 
 
 def main(cfg: TrainConfig):
+    trainer = None
     try:
         validate(cfg)
         check_out(cfg, int(os.environ.get("RANK", 0)))
@@ -946,6 +938,8 @@ def main(cfg: TrainConfig):
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
+        if trainer is not None and isinstance(trainer.target, VllmTarget):
+            trainer.target.close()  # the engine process
         destroy()
     return res
 
@@ -972,7 +966,7 @@ if __name__ == "__main__":
             ):  # the launcher: the options and --out before starting the pools (a consumer restarted
                 validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
                 check_out(cfg)
-            disagg_main(cfg, Trainer)
+            disagg_main(cfg, Trainer, vllm_target)
         except (ConfigError, CheckpointError) as e:
             raise SystemExit(f"error: {e}") from None
     else:

@@ -36,8 +36,8 @@ from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_s
 from disagg.control import Controller, PipelineError, plan_items
 from disagg.mooncake_store import MooncakeFeatureStore, start_master
 from distributed import destroy, pick_device
-from features import capture_examples, target_identity
-from models.target import Target, default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
+from features import capture_examples, load_target, target_identity
+from models.target import default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ class Heartbeat(threading.Thread):
             self.ctl.beat(self.wid)
 
 
-def produce(cfg):
+def produce(cfg, vllm_target=None):
     d = cfg.deploy
     kind, dtype = pick_device(cfg.device, "auto")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
@@ -125,7 +125,7 @@ def produce(cfg):
     ctl = Controller(control_dir(cfg), d.lease_timeout, d.max_attempts)
     ctl.init_plan(plan_items(batches, total, len(evals)), fp, cfg.batch_size)
     n, high, low = watermarks(cfg)
-    target = Target.load(target_dir, list(cfg.aux_layers) or None, dtype, device)
+    target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target)
     H = target.config.hidden_size
     store = open_store(
         store_spec(cfg), feature_schema(target_identity(target), target.aux_layers, H, dtype, {"plan": fp})
@@ -135,7 +135,8 @@ def produce(cfg):
     beat = Heartbeat(control_dir(cfg), wid, d.heartbeat)
     beat.start()
     print(
-        f"[producer {name}] target {target_dir} ({dtype}), lease {n}, watermarks {low}/{high}, store {store_spec(cfg)}",
+        f"[producer {name}] target {target_dir} ({dtype}, --backend {cfg.backend}), lease {n}, "
+        f"watermarks {low}/{high}, store {store_spec(cfg)}",
         flush=True,
     )
     leases, produced, t0, idle = 0, 0, time.time(), 0.01
@@ -174,6 +175,8 @@ def produce(cfg):
     finally:
         beat.stop.set()
         ctl.leave(wid)
+        if hasattr(target, "close"):  # --backend vllm: the engine process
+            target.close()
     print(f"[producer {name}] done: {produced} samples in {leases} leases, {time.time() - t0:.1f} s", flush=True)
 
 
@@ -356,12 +359,13 @@ def launch(cfg):
             master.wait()
 
 
-def main(cfg, Trainer):
-    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks."""
+def main(cfg, Trainer, vllm_target=None):
+    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks;
+    vllm_target: tools/vllm_features.vllm_target, for producers with --backend vllm."""
     role = cfg.deploy.role
     try:
         if role == "producer":
-            return produce(cfg)
+            return produce(cfg, vllm_target)
         if role == "consumer":
             return consume(cfg, Trainer)
         return launch(cfg)

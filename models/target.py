@@ -262,19 +262,22 @@ def _from_pretrained(auto, path: Path, **kw):
 
 class TargetHeads(nn.Module):
     """The frozen pieces of a target that training from stored features needs: the input
-    embeddings and the lm_head (stored final hidden states are already normed). No forward."""
+    embeddings and the lm_head (stored final hidden states are already normed), and where asked
+    the final norm (features from an engine that returns the pre-norm output). No forward."""
 
-    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, aux_layers, path: Path):
+    def __init__(self, config, embed_tokens: nn.Module, lm_head: nn.Module, aux_layers, path: Path, norm=None):
         super().__init__()
         self.config, self.path, self.aux_layers = config, path, list(aux_layers)
         self.embed_tokens, self.lm_head = embed_tokens.requires_grad_(False), lm_head.requires_grad_(False)
+        self.norm = norm.requires_grad_(False) if norm is not None else None
 
 
-def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHeads:
-    """Embeddings and lm_head of a target without its decoder layers: the model is built on the
-    meta device (to learn the modules and their checkpoint names), then only those tensors are
-    read from the safetensors files. Falls back to loading the whole model when the checkpoint
-    names differ from the module names or the modules hold buffers."""
+def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu", norm: bool = False) -> TargetHeads:
+    """Embeddings and lm_head (and with norm=True the final norm) of a target without its decoder
+    layers: the model is built on the meta device (to learn the modules and their checkpoint
+    names), then only those tensors are read from the safetensors files. Falls back to loading
+    the whole model when the checkpoint names differ from the module names or the modules hold
+    buffers."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -282,7 +285,9 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHea
     config = _from_pretrained(AutoConfig, path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    wanted = [model.get_input_embeddings(), model.get_output_embeddings()]
+    if norm:
+        wanted.append(model.get_decoder().norm)  # Llama / Qwen / Mistral ...: the norm after the last layer
     names: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -298,15 +303,17 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu") -> TargetHea
                         return st.get_tensor(n)
         return None
 
-    tensors = [read(m.weight) for m in (embed, head)]
-    extra = [x for m in (embed, head) for x in (*m.buffers(), getattr(m, "bias", None)) if x is not None]
+    tensors = [read(m.weight) for m in wanted]
+    extra = [x for m in wanted for x in (*m.buffers(), getattr(m, "bias", None)) if x is not None]
     if any(t is None for t in tensors) or extra:
         full = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype).to(device)
-        return TargetHeads(config, full.get_input_embeddings(), full.get_output_embeddings(), aux_layers, path)
+        mods = [full.get_input_embeddings(), full.get_output_embeddings()]
+        mods += [full.get_decoder().norm] if norm else []
+        return TargetHeads(config, *mods[:2], aux_layers, path, norm=mods[2] if norm else None)
     mods = []
-    for m, t in zip((embed, head), tensors):
+    for m, t in zip(wanted, tensors):
         m = m.to_empty(device=device)
         with torch.no_grad():
             m.weight.copy_(t)
         mods.append(m)
-    return TargetHeads(config, mods[0], mods[1], aux_layers, path)
+    return TargetHeads(config, mods[0], mods[1], aux_layers, path, norm=mods[2] if norm else None)

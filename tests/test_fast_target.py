@@ -283,12 +283,13 @@ def test_backend_auto_picks_compiled_on_gpu_where_it_builds(tmp_path):
     hf with the reason otherwise, and always hf on CPU (the reference; compiling pays only on a GPU)."""
     import json
 
-    from train import pick_backend
+    from features import load_target, pick_backend
 
     llama = tmp_path / "llama"
     hf_model("llama").save_pretrained(llama)
     assert pick_backend(llama, "cuda") == ("compiled", None)
     assert pick_backend(llama, "cpu") == ("hf", None)
+    assert type(load_target("auto", llama)) is Target  # what the disaggregated producers run on CPU
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
