@@ -1,7 +1,9 @@
 """Training checkpoint -> serving directory (EAGLE-3 / EAGLE-3.1 for vLLM or SGLang; P-EAGLE,
-DFlash and DSpark for vLLM).
+DFlash and DSpark for vLLM, in its own format or in speculators'), and drafts made elsewhere ->
+training checkpoint.
 
-    python export.py runs/default [--out DIR] [--engine vllm|sglang] [--dtype bf16|fp32] [--with-embeddings]
+    python export.py runs/default [--out DIR] [--engine vllm|sglang|speculators] [--dtype bf16|fp32] [--with-embeddings]
+    python export.py SRC --import-from auto|speculators|safeailab|specforge --out RUN [--target DIR]
 
 The input is a checkpoint dir (<run>/ckpt/step_N), a run dir (its ckpt/latest is taken) or a
 run's ckpt/ dir. The output dir holds config.json + model.safetensors in the format both
@@ -35,6 +37,31 @@ no lm_head / d2t written, vLLM shares the target's head), enable_confidence_head
 confidence_head_with_markov, sample_from_anchor=true (blocks of block_size = K slots, the anchor
 slot predicts; served with method "dspark", num_speculative_tokens = block_size).
 Domino: no engine loader in reach (vLLM 0.32 has none), so it is not exported.
+
+speculators (vLLM's own trainer, 0.9.0; `--engine speculators`): the same tensors (EAGLE layouts
+name midlayer.* layers.0.*) under the config.json `vllm serve DIR` loads with no speculative config
+(vLLM 0.32 transformers_utils/configs/speculators/: a config with speculators_config and no model_type
+is read by its SpeculatorsConfig): speculators_model_type, transformer_layer_config (the layer
+fields), the family's fields (speculators_config below), and speculators_config {algorithm,
+proposal_methods [{proposal_type greedy, speculative_tokens K}], verifier {name_or_path = the target
+dir, architectures}}; vLLM takes the method, K and the target from it. vLLM 0.32 reads eagle3, peagle,
+dflash, dflash2 and dspark in that format, so all four of our served families are written (checked:
+tests/test_speculators.py runs vLLM's reader on them and serves EAGLE-3 both ways on the CPU build);
+Domino has no reader there. Refused: P-EAGLE with fc_norm / norm_output (vLLM's peagle reader drops
+them) and EAGLE drafts with other than 3 aux layers (its eagle3 model sizes fc for 3 when the ids
+are not under eagle_config).
+
+Import (`--import-from`; import_draft) writes <out>/ckpt/step_0/{draft.safetensors, config.json} +
+ckpt/latest, which load_checkpoint, evaluate.py and gate.py read (no train_state.pt: a fresh run
+starts from it with train.py --init-draft). Formats: speculators (above), SafeAILab EAGLE-3 (the EAGLE
+repo: config.json LlamaForCausalLMEagle3 + pytorch_model.bin or model.safetensors with the tensor
+names above, usually no aux ids: the engines' defaults, which need --target for the layer count),
+SpecForge EAGLE-3 (the same layout in model.safetensors; explicit eagle_config ids are read as
+SGLang's, the engine SpecForge trains for), and our own serving dirs (their provenance names the
+engine). `auto` refuses to guess the convention of explicit ids in a foreign LlamaForCausalLMEagle3
+dir. embed_tokens.weight is dropped (our drafts share the target's), refused if it differs from the
+target's; speculators' verifier_* copies are dropped; variants we do not implement
+(norm_before_residual, norm_before_fc, DSpark's gated/rnn heads, DFlash with a draft vocabulary) fail.
 
 This file alone knows the engines' conventions. Aux layer ids, checked in the engines' code:
 

@@ -238,3 +238,32 @@ def test_vllm_serves_the_speculators_export_like_ours(tmp_path, smollm2_dir, smo
     # K = 3 read from the speculators config; τ = 1 + accepted / drafts (1.80 measured here) beats n-gram's ~1.6
     assert m["num_draft_tokens"] == 3 * m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0.7 * m["num_drafts"]
     print(json.dumps({"speculators": theirs["metrics"], "vllm": mine["metrics"]}))
+
+
+def test_train_continues_from_an_imported_draft(tmp_path, tiny_run_inputs):
+    """train.py --init-draft on a draft that went ours -> speculators -> ours: the new run's first held-out
+    evaluation equals the source run's last one (same weights, same d2t); another config is refused."""
+    from tests.test_train_e2e import run_train
+
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "a", target, data, 0, ["--steps", "3"])
+    spec = export.export(tmp_path / "a", tmp_path / "spec", engine="speculators", dtype="fp32")
+    export.import_draft(spec, tmp_path / "imported")
+    run_train(tmp_path / "b", target, data, 0, ["--steps", "1", "--init-draft", str(tmp_path / "imported")])
+
+    def evals(run):
+        return [r for r in map(json.loads, open(run / "metrics.jsonl")) if r["split"] == "eval"]
+
+    a_end, b_start = evals(tmp_path / "a")[-1], evals(tmp_path / "b")[0]
+    assert b_start["step"] == 0 and a_end["step"] == 3
+
+    def numbers(r):
+        return {k: v for k, v in r.items() if k not in ("step", "time")}
+
+    assert numbers(b_start) == numbers(a_end) != numbers(evals(tmp_path / "a")[0])  # not a fresh draft's
+    extra = ["--steps", "1", "--draft-vocab-size", "4096", "--init-draft", str(tmp_path / "imported")]
+    p = run_train(tmp_path / "c", target, data, 0, extra, check=False)
+    assert (
+        p.returncode != 0
+        and "config differs from the eagle3 draft these flags build in ['draft_vocab_size']" in p.stderr
+    )
