@@ -636,6 +636,8 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
     if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
         raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
     cfg = read_json(p / "config.json")
+    if "speculators_config" in cfg:
+        return read_draft(p, "speculators")[0], cfg
     if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES]:
         family, c = block_config_from_serving(cfg)
         draft = FAMILIES[family].draft_cls(c)
@@ -891,6 +893,18 @@ def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: st
     """A speculators, SafeAILab EAGLE-3, SpecForge EAGLE-3 or nanospec serving dir -> a training checkpoint
     out/ckpt/step_0/{draft.safetensors, config.json} + out/ckpt/latest (what load_checkpoint, evaluate.py
     and gate.py read); returns the step dir. Tensors keep their values (fp32 in, fp32 out: bit for bit)."""
+    draft, found = read_draft(src, fmt, target)
+    meta = {
+        "strategy": draft.family,
+        "draft": draft.config.to_dict(),
+        "target": found["target"],
+        "imported_from": {"format": found["format"], "path": str(Path(src).resolve())},
+    }
+    return _write_checkpoint(Path(out), draft.state_dict(), meta)
+
+
+def read_draft(src: str | Path, fmt: str = "auto", target: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """A draft dir in any format read here -> (fp32 draft, {"format", "target": given, else recorded})."""
     p = Path(src)
     if fmt not in IMPORT_FORMATS:
         raise ExportError(f"unknown import format {fmt!r}: choose one of {IMPORT_FORMATS}")
@@ -942,9 +956,13 @@ def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: st
             family = "eagle3"
             c = config_from_serving(cfg, "sglang" if fmt == "specforge" and eagle_ids else "vllm")
         sd = {k: v for k, v in sd.items() if not k.startswith("verifier_")}  # speculators' frozen verifier copies
-        if "embed_tokens.weight" in sd:
-            own = sd.pop("embed_tokens.weight")
-            if target and not torch.equal(own.float(), _target_embeddings(resolve_dir(target)).float()):
+        if "embed_tokens.weight" in sd:  # our drafts share the target's: the same values or refused
+            own, ref = sd.pop("embed_tokens.weight"), target or recorded
+            if (
+                ref
+                and _target_layers(ref) is not None
+                and not torch.equal(own.float(), _target_embeddings(resolve_dir(ref)).float())
+            ):
                 raise ExportError(
                     f"{wfile}: embed_tokens.weight differs from the target's (our drafts share the target's)"
                 )
@@ -956,13 +974,7 @@ def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: st
                 draft.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
             except RuntimeError as e:
                 raise ExportError(f"{wfile}: {str(e).splitlines()[0]} {str(e).splitlines()[1:2]}") from None
-    meta = {
-        "strategy": draft.family,
-        "draft": draft.config.to_dict(),
-        "target": target or recorded,
-        "imported_from": {"format": fmt, "path": str(p.resolve())},
-    }
-    return _write_checkpoint(Path(out), draft.state_dict(), meta)
+    return draft.eval(), {"format": fmt, "target": target or recorded}
 
 
 def _write_checkpoint(out: Path, sd: dict, meta: dict) -> Path:

@@ -73,6 +73,8 @@ def test_speculators_roundtrip_is_exact(tmp_path, family):
     if family in ("eagle3", "peagle"):
         assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
         assert cfg["norm_before_residual"] is False  # vLLM reads a missing one as True for eagle3
+    served, _ = export.load_exported(out)  # evaluate.py / gate.py read the dir as it is too
+    assert served.config == d.config and all(torch.equal(served.state_dict()[k], v) for k, v in d.state_dict().items())
     back = export.import_draft(out, tmp_path / "imported")
     meta = assert_same_draft(back, d)
     assert (
