@@ -42,14 +42,16 @@ speculators (vLLM's own trainer, 0.9.0; `--engine speculators`): the same tensor
 name midlayer.* layers.0.*) under the config.json `vllm serve DIR` loads with no speculative config
 (vLLM 0.32 transformers_utils/configs/speculators/: a config with speculators_config and no model_type
 is read by its SpeculatorsConfig): speculators_model_type, transformer_layer_config (the layer
-fields), the family's fields (speculators_config below), and speculators_config {algorithm,
+fields), the family's fields (speculators_config() lists them), and speculators_config {algorithm,
 proposal_methods [{proposal_type greedy, speculative_tokens K}], verifier {name_or_path = the target
 dir, architectures}}; vLLM takes the method, K and the target from it. vLLM 0.32 reads eagle3, peagle,
 dflash, dflash2 and dspark in that format, so all four of our served families are written (checked:
-tests/test_speculators.py runs vLLM's reader on them and serves EAGLE-3 both ways on the CPU build);
-Domino has no reader there. Refused: P-EAGLE with fc_norm / norm_output (vLLM's peagle reader drops
-them) and EAGLE drafts with other than 3 aux layers (its eagle3 model sizes fc for 3 when the ids
-are not under eagle_config).
+tests/test_speculators.py runs vLLM's reader on all four and serves the shipped EAGLE-3 draft both
+ways on the CPU build: same tokens, same counters; random SmolLM2-shaped P-EAGLE and DFlash drafts
+served both ways gave the same tokens and counters too, by hand; the CPU build's V1 runner refuses
+dspark in either format, so DSpark is checked by the reader only). Domino has no reader there.
+Refused: P-EAGLE with fc_norm / norm_output (vLLM's peagle reader drops them) and EAGLE drafts with
+other than 3 aux layers (its eagle3 model sizes fc for 3 when the ids are not under eagle_config).
 
 Import (`--import-from`; import_draft) writes <out>/ckpt/step_0/{draft.safetensors, config.json} +
 ckpt/latest, which load_checkpoint, evaluate.py and gate.py read (no train_state.pt: a fresh run
