@@ -1,8 +1,9 @@
 """The speculators format (vLLM's own trainer, 0.9.0) both ways, and imports of SafeAILab / SpecForge
 EAGLE-3 dirs: ours -> theirs -> ours is bit for bit (fp32) for every family vLLM 0.32 reads in that
 format; the config fields are the ones vLLM's speculators reader (algos.py) turns into the same
-draft config as our vLLM-format export; broken or foreign inputs fail naming the file. The slow
-test serves both formats of the shipped draft in vLLM's CPU build: same tokens, same counters."""
+draft config as our vLLM-format export; broken or foreign inputs fail naming the file; train.py
+--init-draft continues from an imported draft. The slow test serves both formats of the shipped
+draft in vLLM's CPU build: same tokens, same counters."""
 
 import json
 from pathlib import Path
