@@ -1,7 +1,9 @@
 """Training checkpoint -> serving directory (EAGLE-3 / EAGLE-3.1 for vLLM or SGLang; P-EAGLE,
-DFlash and DSpark for vLLM).
+DFlash and DSpark for vLLM, in its own format or in speculators'), and drafts made elsewhere ->
+training checkpoint.
 
-    python export.py runs/default [--out DIR] [--engine vllm|sglang] [--dtype bf16|fp32] [--with-embeddings]
+    python export.py runs/default [--out DIR] [--engine vllm|sglang|speculators] [--dtype bf16|fp32] [--with-embeddings]
+    python export.py SRC --import-from auto|speculators|safeailab|specforge --out RUN [--target DIR]
 
 The input is a checkpoint dir (<run>/ckpt/step_N), a run dir (its ckpt/latest is taken) or a
 run's ckpt/ dir. The output dir holds config.json + model.safetensors in the format both
@@ -35,6 +37,33 @@ no lm_head / d2t written, vLLM shares the target's head), enable_confidence_head
 confidence_head_with_markov, sample_from_anchor=true (blocks of block_size = K slots, the anchor
 slot predicts; served with method "dspark", num_speculative_tokens = block_size).
 Domino: no engine loader in reach (vLLM 0.32 has none), so it is not exported.
+
+speculators (vLLM's own trainer, 0.9.0; `--engine speculators`): the same tensors (EAGLE layouts
+name midlayer.* layers.0.*) under the config.json `vllm serve DIR` loads with no speculative config
+(vLLM 0.32 transformers_utils/configs/speculators/: a config with speculators_config and no model_type
+is read by its SpeculatorsConfig): speculators_model_type, transformer_layer_config (the layer
+fields), the family's fields (speculators_config() lists them), and speculators_config {algorithm,
+proposal_methods [{proposal_type greedy, speculative_tokens K}], verifier {name_or_path = the target
+dir, architectures}}; vLLM takes the method, K and the target from it. vLLM 0.32 reads eagle3, peagle,
+dflash, dflash2 and dspark in that format, so all four of our served families are written (checked:
+tests/test_speculators.py runs vLLM's reader on all four and serves the shipped EAGLE-3 draft both
+ways on the CPU build: same tokens, same counters; random SmolLM2-shaped P-EAGLE and DFlash drafts
+served both ways gave the same tokens and counters too, by hand; the CPU build's V1 runner refuses
+dspark in either format, so DSpark is checked by the reader only). Domino has no reader there.
+Refused: P-EAGLE with fc_norm / norm_output (vLLM's peagle reader drops them) and EAGLE drafts with
+other than 3 aux layers (its eagle3 model sizes fc for 3 when the ids are not under eagle_config).
+
+Import (`--import-from`; import_draft) writes <out>/ckpt/step_0/{draft.safetensors, config.json} +
+ckpt/latest, which load_checkpoint, evaluate.py and gate.py read (no train_state.pt: a fresh run
+starts from it with train.py --init-draft). Formats: speculators (above), SafeAILab EAGLE-3 (the EAGLE
+repo: config.json LlamaForCausalLMEagle3 + pytorch_model.bin or model.safetensors with the tensor
+names above, usually no aux ids: the engines' defaults, which need --target for the layer count),
+SpecForge EAGLE-3 (the same layout in model.safetensors; explicit eagle_config ids are read as
+SGLang's, the engine SpecForge trains for), and our own serving dirs (their provenance names the
+engine). `auto` refuses to guess the convention of explicit ids in a foreign LlamaForCausalLMEagle3
+dir. embed_tokens.weight is dropped (our drafts share the target's), refused if it differs from the
+target's; speculators' verifier_* copies are dropped; variants we do not implement
+(norm_before_residual, norm_before_fc, DSpark's gated/rnn heads, DFlash with a draft vocabulary) fail.
 
 This file alone knows the engines' conventions. Aux layer ids, checked in the engines' code:
 
@@ -78,7 +107,7 @@ from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.peagle import PEagleConfig
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "speculators")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
@@ -91,15 +120,23 @@ class ExportError(RuntimeError):
 # ---- index conventions (the only place that knows them) ----
 def engine_aux_ids(aux_layers: list[int], engine: str) -> list[int]:
     """Our 0-based layer-output indices -> the engine's eagle_aux_hidden_state_layer_ids."""
-    if engine == "vllm":
+    if engine in ("vllm", "speculators"):  # speculators' ids are the ones vLLM reads (algos.py passes them on)
         return [i + 1 for i in aux_layers]  # vLLM id k = input of layer k = HF hidden_states[k]
     if engine == "sglang":
         return list(aux_layers)  # SGLang adds +1 itself
     raise ValueError(f"unknown engine {engine!r}: choose one of {ENGINES}")
 
 
+def default_ids(num_layers: int) -> list[int]:
+    """vLLM's ids when a draft config names none (get_eagle3_aux_hidden_state_layers: 2, L//2, L-3), which
+    are also the EAGLE repo's capture layers (the input of those layers)."""
+    from models.target import default_aux_layers
+
+    return engine_aux_ids(default_aux_layers(num_layers), "vllm")
+
+
 def aux_layers_from_engine(ids: list[int], engine: str) -> list[int]:
-    return [i - 1 for i in ids] if engine == "vllm" else engine_aux_ids(ids, engine)
+    return [i - 1 for i in ids] if engine in ("vllm", "speculators") else engine_aux_ids(ids, engine)
 
 
 # ---- training checkpoints ----
@@ -353,7 +390,7 @@ def export(
     family, serving = meta["strategy"], FAMILIES[meta["strategy"]].serving
     if serving is None:
         raise ExportError(f"strategy {family!r}: no serving engine here loads it (README, 'Draft families')")
-    if engine not in serving.engines:
+    if engine not in serving.engines and not (engine == "speculators" and "vllm" in serving.engines):
         names = {"vllm": "vLLM", "sglang": "SGLang"}
         raise ExportError(
             f"{family}: only the {' and '.join(names[e] for e in serving.engines)} format is written"
@@ -377,6 +414,8 @@ def export(
         if with_embeddings:
             raise ExportError(f"{family}: no embeddings are written (vLLM shares the target's)")
         cfg, sd = block_serving(draft, serving.architecture, tc, tdtype)
+        if engine == "speculators":
+            cfg = speculators_config(cfg, c, family, _verifier(target_dir))
         return _write(out, cfg, sd, {**prov, "strategy": meta["strategy"]})
     sd = {k: (v.to(tdtype) if v.is_floating_point() else v).contiguous() for k, v in draft.state_dict().items()}
     if with_embeddings:
@@ -390,6 +429,9 @@ def export(
         # state fc(mask_hidden) when speculative_config has parallel_drafting=True
         cfg["mask_token_id"] = c.mask_token_id
         prov["depths"] = c.depths  # K it was trained for (vLLM takes K from num_speculative_tokens)
+    if engine == "speculators":
+        cfg = speculators_config(cfg, c, family, _verifier(target_dir))
+        sd = {k.replace("midlayer.", "layers.0.", 1): v for k, v in sd.items()}
     return _write(out, cfg, sd, prov)
 
 
@@ -596,6 +638,8 @@ def load_exported(path: str | Path, engine: str | None = None) -> tuple[torch.nn
     if not (p / "config.json").exists() or not (p / "model.safetensors").exists():
         raise ExportError(f"{p}: not a serving dir (needs config.json and model.safetensors)")
     cfg = read_json(p / "config.json")
+    if "speculators_config" in cfg:
+        return read_draft(p, "speculators")[0], cfg
     if cfg.get("architectures") in [[a] for a in BLOCK_FAMILIES]:
         family, c = block_config_from_serving(cfg)
         draft = FAMILIES[family].draft_cls(c)
@@ -622,22 +666,367 @@ def open_draft(path: str | Path) -> tuple[torch.nn.Module, dict]:
     return draft, meta
 
 
+def resolve_dir(target) -> Path:
+    from models.target import TargetError, resolve_target
+
+    try:
+        return resolve_target(str(target))
+    except (FileNotFoundError, TargetError) as e:
+        raise ExportError(f"target {target}: {e}") from None
+
+
+# ---- the speculators format (vLLM's own trainer; vLLM 0.32 loads it natively) ----
+# family -> (speculators_model_type, the architecture speculators 0.9.0 writes). vLLM 0.32
+# (transformers_utils/configs/speculators/algos.py) registers eagle3, peagle, dflash, dflash2 and
+# dspark; Domino has no entry there (nor any vLLM loader).
+SPECULATORS = {
+    "eagle3": ("eagle3", "Eagle3Speculator"),
+    "peagle": ("peagle", "PEagleSpeculator"),
+    "dflash": ("dflash", "DFlashSpeculator"),
+    "dspark": ("dspark", "DSparkSpeculator"),
+}
+# the decoder-layer fields that go into transformer_layer_config (the base of the config vLLM builds)
+LAYER_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    *ROPE_FIELDS,
+    "torch_dtype",
+    "dtype",
+)
+
+
+def speculative_tokens(c, family: str) -> int:
+    """K written as the greedy proposal's speculative_tokens (vLLM's default num_speculative_tokens): the
+    depths P-EAGLE was trained for, a DFlash block's masked slots, a DSpark block; 3 for EAGLE-3."""
+    if family == "peagle":
+        return c.depths
+    return c.block_size - (family == "dflash") if family in ("dflash", "dspark") else 3
+
+
+def _verifier(target_dir) -> dict:
+    """speculators_config.verifier: `vllm serve DRAFT` serves the draft on this target (its name_or_path)."""
+    if not target_dir:
+        raise ExportError("the speculators format names its target (verifier): pass --target")
+    d = resolve_dir(target_dir).resolve()
+    return {"name_or_path": str(d), "architectures": read_json(d / "config.json").get("architectures") or []}
+
+
+def speculators_config(cfg: dict, c, family: str, verifier: dict) -> dict:
+    """Our vLLM-format config.json -> the speculators one (same tensors; EAGLE layouts rename midlayer. to
+    layers.0.). What vLLM 0.32's algos.py reads back: transformer_layer_config is the base of the draft's
+    config; eagle3/peagle take draft_vocab_size, target_hidden_size, norm_before_residual (default TRUE for
+    eagle3 there, hence written), norm_before_fc, fc_norm, norm_output (eagle3 only: peagle drops them),
+    eagle_aux_hidden_state_layer_ids, mask_token_id (peagle, as pard_token); dflash/dspark take
+    aux_hidden_state_layer_ids (vLLM ids; target_layer_ids = id - 1 = ours), mask_token_id, block_size,
+    sample_from_anchor, sliding_window_non_causal (dflash_config.causal = not it), and for dspark the
+    Markov / confidence fields. The method and K come from speculators_config (peagle -> eagle3 with
+    parallel_drafting)."""
+    name, arch = SPECULATORS[family]
+    if family in ("eagle3", "peagle"):
+        if len(c.aux_layers) != 3:  # llama_eagle3.py sizes fc from eagle_config (absent here): 3 sources
+            raise ExportError(
+                f"{family}: vLLM 0.32 reads speculators EAGLE-3 drafts with 3 aux layers, not {len(c.aux_layers)}"
+            )
+        if family == "peagle" and (c.fc_norm or c.norm_output):
+            raise ExportError(
+                "peagle: vLLM 0.32's speculators reader drops fc_norm / norm_output (EAGLE-3.1): use --engine vllm"
+            )
+    spec = {
+        "architectures": [arch],
+        "speculators_model_type": name,
+        "transformer_layer_config": {k: cfg[k] for k in LAYER_FIELDS if k in cfg},
+        "speculators_config": {
+            "algorithm": name,
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens(c, family),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
+        "draft_vocab_size": cfg.get("draft_vocab_size", c.vocab_size),
+        "target_hidden_size": c.target_hidden_size,
+    }
+    ids = engine_aux_ids(c.aux_layers, "speculators")
+    if family in ("eagle3", "peagle"):
+        spec.update(
+            eagle_aux_hidden_state_layer_ids=ids,
+            norm_before_residual=False,
+            norm_before_fc=False,
+            fc_norm=bool(c.fc_norm),
+            norm_output=bool(c.norm_output),
+        )
+        if family == "peagle":
+            spec["mask_token_id"] = c.mask_token_id
+    else:
+        spec.update(
+            aux_hidden_state_layer_ids=ids,
+            mask_token_id=c.mask_token_id,
+            block_size=c.block_size,
+            sample_from_anchor=family == "dspark",  # dflash: the anchor is the bonus token; dspark: it predicts
+            sliding_window_non_causal=True,  # the block attends to itself both ways
+        )
+        if family == "dspark":
+            spec.update(
+                markov_rank=c.markov_rank,
+                markov_head_type="vanilla",
+                enable_confidence_head=True,
+                confidence_head_with_markov=bool(c.confidence_with_markov),
+            )
+    return spec
+
+
+def config_from_speculators(spec: dict, num_layers: int | None, where: str):
+    """A speculators config.json -> (family, our draft config). `num_layers` (the target's) gives vLLM's
+    default aux ids (2, L//2, L-3) when the config names none."""
+    name = spec.get("speculators_model_type")
+    family = next((f for f, (n, _) in SPECULATORS.items() if n == name), None)
+    if family is None:
+        raise ExportError(
+            f"{where}: speculators_model_type {name!r} is not read here (known: {', '.join(SPECULATORS)})"
+        )
+    try:
+        cfg = dict(spec["transformer_layer_config"])
+        k = spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        key = "eagle_aux_hidden_state_layer_ids" if family in ("eagle3", "peagle") else "aux_hidden_state_layer_ids"
+        ids = spec.get(key)
+        if not ids:
+            if num_layers is None:
+                raise ExportError(f"{where}: no {key}; pass --target so vLLM's default layers can be derived")
+            ids = default_ids(num_layers)
+        cfg.update(target_hidden_size=spec.get("target_hidden_size") or cfg["hidden_size"])
+        if family in ("eagle3", "peagle"):
+            # vLLM's defaults when absent: norm_before_residual True for eagle3, False for peagle
+            unread = [
+                f
+                for f, dflt in (("norm_before_residual", family == "eagle3"), ("norm_before_fc", False))
+                if spec.get(f, dflt)
+            ]
+            if unread:
+                raise ExportError(f"{where}: {', '.join(unread)} is set: our EAGLE-3 layer has no such variant")
+            cfg.update(
+                draft_vocab_size=spec["draft_vocab_size"],
+                eagle_config={"eagle_aux_hidden_state_layer_ids": list(ids)},
+                fc_norm=bool(spec.get("fc_norm", False)),
+                norm_output=bool(spec.get("norm_output", False)),
+                nanospec_export={"engine": "speculators", "depths": k},
+            )
+            if family == "peagle":
+                cfg["mask_token_id"] = spec["mask_token_id"]
+            return family, config_from_serving(cfg)
+        anchor = spec.get("sample_from_anchor", family == "dspark")
+        if anchor != (family == "dspark") or spec.get("draft_vocab_size", cfg["vocab_size"]) != cfg["vocab_size"]:
+            raise ExportError(
+                f"{where}: {family} with sample_from_anchor={anchor}, draft_vocab_size={spec.get('draft_vocab_size')}: "
+                f"our {family} drafts {'predict from' if family == 'dspark' else 'do not predict from'} the anchor "
+                "and use the full target vocabulary"
+            )
+        if family == "dspark" and spec.get("markov_head_type", "vanilla") != "vanilla":
+            raise ExportError(f"{where}: markov_head_type {spec['markov_head_type']!r}: only 'vanilla' is ours")
+        cfg.update(
+            architectures=[FAMILIES[family].serving.architecture],
+            block_size=spec["block_size"],
+            dflash_config={
+                "mask_token_id": spec["mask_token_id"],
+                "target_layer_ids": aux_layers_from_engine(ids, "speculators"),
+            },
+            markov_rank=spec.get("markov_rank"),
+            enable_confidence_head=spec.get("enable_confidence_head", True),
+            confidence_head_with_markov=spec.get("confidence_head_with_markov", True),
+            sample_from_anchor=anchor,
+        )
+        return block_config_from_serving(cfg)
+    except (KeyError, IndexError, TypeError) as e:
+        raise ExportError(f"{where}: not a speculators config (lacks {e})") from None
+
+
+# ---- import: a draft made elsewhere -> our training checkpoint ----
+IMPORT_FORMATS = ("auto", "speculators", "safeailab", "specforge")
+
+
+def read_weights(d: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """model.safetensors or pytorch_model.bin (the EAGLE repo's) of a draft dir, and the file read."""
+    if (d / "model.safetensors").exists():
+        return read_tensors(d / "model.safetensors"), d / "model.safetensors"
+    f = d / "pytorch_model.bin"
+    if f.exists():
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ExportError(f"{f} is damaged or unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise ExportError(f"{f} is not a state dict of tensors")
+        return sd, f
+    if any(d.glob("*.index.json")):
+        raise ExportError(f"{d}: sharded weights are not read here (merge them into one model.safetensors)")
+    raise ExportError(f"{d}: no model.safetensors or pytorch_model.bin")
+
+
+def _target_layers(target) -> int | None:
+    """The target's layer count, or None where it is not at hand (e.g. a hub name in a speculators config)."""
+    try:
+        tc = read_json(resolve_dir(target) / "config.json") if target else {}
+    except ExportError:
+        return None
+    return tc.get("text_config", tc).get("num_hidden_layers")
+
+
+def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: str | None = None) -> Path:
+    """A speculators, SafeAILab EAGLE-3, SpecForge EAGLE-3 or nanospec serving dir -> a training checkpoint
+    out/ckpt/step_0/{draft.safetensors, config.json} + out/ckpt/latest (what load_checkpoint, evaluate.py
+    and gate.py read); returns the step dir. Tensors keep their values (fp32 in, fp32 out: bit for bit)."""
+    draft, found = read_draft(src, fmt, target)
+    meta = {
+        "strategy": draft.family,
+        "draft": draft.config.to_dict(),
+        "target": found["target"],
+        "imported_from": {"format": found["format"], "path": str(Path(src).resolve())},
+    }
+    return _write_checkpoint(Path(out), draft.state_dict(), meta)
+
+
+def read_draft(src: str | Path, fmt: str = "auto", target: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """A draft dir in any format read here -> (fp32 draft, {"format", "target": given, else recorded})."""
+    p = Path(src)
+    if fmt not in IMPORT_FORMATS:
+        raise ExportError(f"unknown import format {fmt!r}: choose one of {IMPORT_FORMATS}")
+    if not (p / "config.json").exists():
+        raise ExportError(f"{p}: config.json is missing (not a draft dir)")
+    cfg = read_json(p / "config.json")
+    eagle_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "auto":
+        if "speculators_config" in cfg:
+            fmt = "speculators"
+        elif "nanospec_export" in cfg:
+            fmt = "nanospec"
+        elif cfg.get("architectures") == ["LlamaForCausalLMEagle3"] and eagle_ids:
+            raise ExportError(
+                f"{p / 'config.json'}: explicit eagle_aux_hidden_state_layer_ids {eagle_ids}, read differently by "
+                "vLLM and SGLang: pass --import-from safeailab (vLLM ids) or specforge (SGLang ids)"
+            )
+        elif cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
+            fmt = "safeailab"  # no ids: SpecForge's dir reads the same (the engines' default layers)
+        else:
+            raise ExportError(
+                f"{p / 'config.json'}: not a draft format read here (no speculators_config, architectures "
+                f"{cfg.get('architectures')}): pass --import-from {'|'.join(IMPORT_FORMATS[1:])}"
+            )
+    where = str(p / "config.json")
+    recorded = None
+    if fmt == "nanospec":
+        draft, cfg = load_exported(p)
+        sd, recorded = draft.state_dict(), cfg.get("nanospec_export", {}).get("target")
+    else:
+        sd, wfile = read_weights(p)
+        if fmt == "speculators":
+            recorded = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+            family, c = config_from_speculators(cfg, _target_layers(target or recorded), where)
+            sd = {
+                k.replace("layers.0.", "midlayer.", 1) if family in ("eagle3", "peagle") else k: v
+                for k, v in sd.items()
+            }
+        else:
+            if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+                raise ExportError(
+                    f"{where}: architectures {cfg.get('architectures')}, expected ['LlamaForCausalLMEagle3']"
+                )
+            if not eagle_ids:
+                L = _target_layers(target)
+                if L is None:
+                    raise ExportError(f"{where}: no eagle_aux_hidden_state_layer_ids; pass --target (for the defaults)")
+                cfg = {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": default_ids(L)}}
+            family = "eagle3"
+            c = config_from_serving(cfg, "sglang" if fmt == "specforge" and eagle_ids else "vllm")
+        sd = {k: v for k, v in sd.items() if not k.startswith("verifier_")}  # speculators' frozen verifier copies
+        if "embed_tokens.weight" in sd:  # our drafts share the target's: the same values or refused
+            own, ref = sd.pop("embed_tokens.weight"), target or recorded
+            if (
+                ref
+                and _target_layers(ref) is not None
+                and not torch.equal(own.float(), _target_embeddings(resolve_dir(ref)).float())
+            ):
+                raise ExportError(
+                    f"{wfile}: embed_tokens.weight differs from the target's (our drafts share the target's)"
+                )
+        if FAMILIES[family].serving.layout == "eagle3":
+            draft = _draft_from(sd, c, str(wfile))
+        else:
+            draft = FAMILIES[family].draft_cls(c)
+            try:
+                draft.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+            except RuntimeError as e:
+                raise ExportError(f"{wfile}: {str(e).splitlines()[0]} {str(e).splitlines()[1:2]}") from None
+    return draft.eval(), {"format": fmt, "target": target or recorded}
+
+
+def _write_checkpoint(out: Path, sd: dict, meta: dict) -> Path:
+    """ckpt/step_0 as train.py lays it out (no train_state.pt: no optimizer or schedule to resume)."""
+    from safetensors.torch import save_file
+
+    d = out / "ckpt" / "step_0"
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "draft.safetensors")
+    (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+    if d.exists():
+        shutil.rmtree(d)
+    tmp.rename(d)
+    (out / "ckpt" / "latest").write_text(d.name)
+    return d
+
+
 @dataclass
 class ExportArgs:
     ckpt: tyro.conf.Positional[str]
     """training checkpoint dir (ckpt/step_N), or a run dir (its latest checkpoint)"""
     out: str = ""
     """serving dir to write (default: <run>/export-<engine>)"""
-    engine: Literal["vllm", "sglang"] = "vllm"
-    """whose aux-layer-id convention the config uses (the tensors are the same)"""
+    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
+    """whose config format and aux-layer-id convention is written (the tensors are the same; speculators:
+    the config.json of vLLM's own trainer, which `vllm serve DIR` loads without a speculative config)"""
     dtype: Literal["bf16", "fp32", "fp16"] = "bf16"
     with_embeddings: bool = False
     """also write embed_tokens.weight (the target's); engines share the target's otherwise"""
     target: str = ""
     """target dir (default: the one recorded in the checkpoint)"""
+    import_from: Literal["", "auto", "speculators", "safeailab", "specforge"] = ""
+    """the other way: read the draft dir CKPT (speculators, SafeAILab EAGLE-3 or SpecForge EAGLE-3; auto
+    tells them apart) into a training checkpoint at --out (evaluate.py and gate.py read it)"""
 
 
 def main(a: ExportArgs) -> Path:
+    if a.import_from:
+        if not a.out:
+            raise SystemExit("import failed: pass --out (the run dir to write)")
+        try:
+            path = import_draft(a.ckpt, a.out, a.import_from, a.target or None)
+        except (ExportError, FileNotFoundError) as e:
+            raise SystemExit(f"import failed: {e}") from None
+        print(
+            f"[import] {a.ckpt} -> {path} ({json.loads((path / 'config.json').read_text())['imported_from']['format']})"
+        )
+        return path
     try:
         d = find_checkpoint(a.ckpt)
         out = a.out or str(d.parent.parent / f"export-{a.engine}")

@@ -106,6 +106,9 @@ class TrainConfig:
     """run directory: run.json, metrics.jsonl, tb/, ckpt/step_N/"""
     resume: bool = False
     """continue from the latest checkpoint in --out (an earlier intact one if the latest is damaged)"""
+    init_draft: str = ""
+    """start the draft from this checkpoint's weights (a run dir or ckpt/step_N, e.g. one that `export.py
+    --import-from` wrote); optimizer and schedule start fresh; the draft these flags build must have its config"""
     overwrite: bool = False
     """replace the previous run in --out (its run.json, metrics.jsonl, tb/ and ckpt/ are deleted once the new run
     has loaded its model and data); without it (or --resume) train.py refuses an --out that holds a run"""
@@ -510,11 +513,38 @@ class Trainer:
                 f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
             )
 
+    def _init_from(self, draft, d: Path):
+        """Load --init-draft's tensors (its d2t/t2d too) into the freshly built draft, refusing another config."""
+        from safetensors.torch import load_file
+
+        if not (d / "draft.safetensors").exists():
+            found = checkpoints(d)
+            if not found:
+                raise CheckpointError(f"--init-draft {d}: no draft.safetensors and no checkpoint in {d / 'ckpt'}")
+            d = found[0]
+        try:
+            meta = json.loads((d / "config.json").read_text())
+            sd = load_file(d / "draft.safetensors")
+        except Exception as e:  # missing or damaged file
+            raise CheckpointError(f"--init-draft {d}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        ours = self.draft_config.to_dict()
+        differ = sorted(k for k in {*ours, *meta.get("draft", {})} if ours.get(k) != meta.get("draft", {}).get(k))
+        if meta.get("strategy") != self.cfg.strategy or differ:
+            raise CheckpointError(
+                f"--init-draft {d}: a {meta.get('strategy')} draft whose config differs from the {self.cfg.strategy} "
+                f"draft these flags build in {differ} (theirs {[meta.get('draft', {}).get(k) for k in differ]}, "
+                f"ours {[ours.get(k) for k in differ]})"
+            )
+        draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+        self.print(f"[draft] initialised from {d}")
+
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
         draft = self.family.build(cfg, t, counts, self.tokenizer)
         self.draft_config = draft.config
+        if cfg.init_draft and not cfg.resume:  # --resume restores the run's own weights instead
+            self._init_from(draft, Path(cfg.init_draft))
         t2d = getattr(draft, "t2d", None)
         vocab = (
             ""
