@@ -226,6 +226,8 @@ def validate(cfg: TrainConfig, world: int | None = None):
             f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
             "data-parallel ranks"
         )
+    if cfg.resume and cfg.init_draft:
+        raise ConfigError("--resume continues the run in --out with its own weights; --init-draft starts a new one")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
@@ -543,7 +545,7 @@ class Trainer:
         counts = count_tokens(self.train_set, t.config.vocab_size)
         draft = self.family.build(cfg, t, counts, self.tokenizer)
         self.draft_config = draft.config
-        if cfg.init_draft and not cfg.resume:  # --resume restores the run's own weights instead
+        if cfg.init_draft:
             self._init_from(draft, Path(cfg.init_draft))
         t2d = getattr(draft, "t2d", None)
         vocab = (
