@@ -96,6 +96,7 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
             {"resume": True, "overwrite": True},
             "--resume continues the run in --out and --overwrite replaces it: pass one of them",
         ),
+        ({"resume": True, "init_draft": "runs/other"}, "--resume continues the run in --out with its own weights"),
     ],
 )
 def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
