@@ -5,10 +5,12 @@
 
 DRAFT is a training checkpoint (ckpt/step_N), a run dir (its latest checkpoint) or an exported
 serving dir, of any family: EAGLE-3 drafts chain (-k) and tree (--tree-topk); P-EAGLE drafts its
-K tokens in one parallel forward; DFlash drafts one block of K per step (K is the draft's,
--k / --tree-* do not apply). Prints per dataset τ (tokens per target verification forward), the per-position
-acceptance rates, and the baselines (plain decoding: τ = 1; n-gram prompt lookup with --ngram),
-and ends with one JSON line. Every output is checked equal to plain greedy decoding of the
+K tokens in one parallel forward; DFlash, Domino and DSpark draft one block of K per step (K is the
+draft's; -k k <= K verifies the first k of them, --tree-* do not apply). Prints per dataset τ (tokens
+per target verification forward), the per-position acceptance rates, the draft cost per verification
+step relative to a target forward c and the expected speed-up τ / (1 + c) (batch 1; speculative.py says
+what is timed), and the baselines (plain decoding: τ = 1; n-gram prompt lookup with --ngram), and ends
+with one JSON line. Every output is checked equal to plain greedy decoding of the
 target when --check-greedy is set (costs one more decode per prompt).
 
 Datasets (packaged): mtbench (80 questions x 2 turns; the second turn follows the model's own
@@ -212,8 +214,10 @@ class EvalArgs:
     num_prompts: int = 8
     """conversations per dataset (0 = all)"""
     max_new_tokens: int = 128
-    k: Annotated[tuple[int, ...], tyro.conf.arg(aliases=("-k",))] = (3,)
-    """chain drafting with K draft tokens per step (several values: one run each)"""
+    k: Annotated[tuple[int, ...], tyro.conf.arg(aliases=("-k",))] = ()
+    """draft tokens verified per step, several values: one run each (default: chains of 3 for EAGLE-3, the trained K
+    for the families that draft a fixed K per forward, P-EAGLE / DFlash / Domino / DSpark; for those each value must
+    be at most K: the first k of the K drafted are verified)"""
     tree_topk: int = 0
     """tree drafting: keep the top-k nodes per depth (0 = no tree run)"""
     tree_depth: int = 5
@@ -311,13 +315,16 @@ def main(a: EvalArgs) -> dict:
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
     if FAMILIES[draft.family].decode_depth:
-        proposers = [proposer_for(draft, model, depth=k) for k in a.k]
+        proposers = [proposer_for(draft, model, depth=k) for k in a.k or (3,)]
         if a.tree_topk:
             proposers.append(proposer_for(draft, model, depth=a.tree_depth, topk=a.tree_topk))
-    else:  # the K the draft was trained for, one proposal per step
-        proposers = [proposer_for(draft, model)]
+    else:  # the K the draft was trained for, one proposal per step (the first k of them verified)
+        try:
+            proposers = [proposer_for(draft, model, depth=k) for k in a.k or (None,)]
+        except ValueError as e:
+            raise SystemExit(f"-k {' '.join(map(str, a.k))}: {e}") from None
     if a.ngram:
-        proposers.append(NgramProposer(a.k[0]))
+        proposers.append(NgramProposer(proposers[0].depth))
     result = {
         "draft": str(a.draft),
         "target": str(target_dir),
@@ -360,8 +367,15 @@ def main(a: EvalArgs) -> dict:
                 replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()
             s["seconds"] = round(sec, 1)
+            if p.needs_aux:  # the draft's proposers: tokens verified per step, tree width
+                s["k"], s["topk"] = p.depth, getattr(p, "topk", 1)
             result["results"][ds][p.name] = s
             acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
+            cost = (
+                f", draft cost {s['draft_cost']:.3f} target forwards/step, speed-up {s['expected_speedup']:.2f}"
+                if s["draft_cost"] is not None
+                else ""
+            )
             extra = (
                 f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})"
                 if isinstance(p, NgramProposer)
@@ -369,7 +383,7 @@ def main(a: EvalArgs) -> dict:
             )
             print(
                 f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
-                f"{s['target_forwards']} target forwards, {sec:.0f}s",
+                f"{s['target_forwards']} target forwards, {sec:.0f}s{cost}",
                 flush=True,
             )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)

@@ -28,9 +28,19 @@ the path reached depth i+1. τ = 1 + accepted / drafts = tokens per verification
 prefill forward, which makes the first token, is not a verification step; a proposer that
 sometimes proposes nothing, like n-gram lookup, counts those steps as drafts of 0 tokens so τ
 stays tokens per forward: see DESIGN.md "Measuring τ").
+
+Timings (wall clock, CUDA synchronized): `draft_seconds` = the proposer's propose() and commit()
+(its catch-up over the verified rows) of every verification step, `target_seconds` = the
+verification forwards; the prefill of either is not counted. The draft cost per verification step
+relative to a target forward is c = draft_seconds / target_seconds, and the expected speed-up of
+speculative decoding over plain greedy decoding is τ / (1 + c): a step costs one target forward plus
+its drafting, (1 + c) target forwards, and emits τ tokens, where plain decoding emits one per target
+forward (this takes a verification forward of K + 1 rows to cost one decoding forward of 1 row,
+which holds while the target is launch- or weight-bandwidth-bound, as at batch 1).
 """
 
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +59,21 @@ class SpecStats:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0  # propose + commit of the verification steps (module docstring)
+    target_seconds: float = 0.0  # the verification forwards (not the prefill)
 
     def add(self, o: "SpecStats"):
-        for k in ("prompts", "new_tokens", "target_forwards", "drafts", "proposed", "draft_tokens", "accepted"):
+        for k in (
+            "prompts",
+            "new_tokens",
+            "target_forwards",
+            "drafts",
+            "proposed",
+            "draft_tokens",
+            "accepted",
+            "draft_seconds",
+            "target_seconds",
+        ):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         n = max(len(self.accepted_per_pos), len(o.accepted_per_pos))
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos + [0] * n, o.accepted_per_pos + [0] * n)][
@@ -72,8 +94,11 @@ class SpecStats:
 
     def summary(self) -> dict:
         d = max(self.drafts, 1)
+        tau = 1 + self.accepted / d
+        timed = self.target_seconds > 0  # batched_chain.py does not time its steps
+        c = self.draft_seconds / self.target_seconds if timed else None
         return {
-            "tau": 1 + self.accepted / d,
+            "tau": tau,
             "acceptance_per_pos": [a / d for a in self.accepted_per_pos],
             "draft_acceptance_rate": self.accepted / max(self.draft_tokens, 1),
             # vLLM's `1 + accepted / num_drafts` counts only steps that proposed: it equals tau
@@ -85,6 +110,10 @@ class SpecStats:
             "drafts": self.drafts,
             "draft_tokens": self.draft_tokens,
             "accepted": self.accepted,
+            "draft_seconds": round(self.draft_seconds, 6) if timed else None,
+            "target_seconds": round(self.target_seconds, 6) if timed else None,
+            "draft_cost": c,  # draft seconds per verification step / target seconds per verification step
+            "expected_speedup": tau / (1 + c) if timed else None,
         }
 
 
@@ -170,8 +199,14 @@ class NgramProposer(Proposer):
 def proposer_for(draft, model, depth: int | None = None, topk: int = 1) -> Proposer:
     """The PyTorch proposer of a draft (any family) for an HF target `model`. depth / topk apply
     to EAGLE-3 (chain of `depth`, or a top-k tree); the other families draft the K tokens they
-    were trained for."""
+    were trained for and verify the first `depth` <= K of them (None: all K)."""
     return FAMILIES[draft.family].proposer(draft, model, depth, topk)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # kernels run asynchronously: time what has finished
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @torch.no_grad()
@@ -187,9 +222,12 @@ def speculative_generate(
     ids = list(prompt) + [int(logits[-1].argmax())]
     if proposer.needs_aux:
         proposer.prefill(ids, aux)
+    dev = target.model.device
     while len(ids) - len(prompt) < max_new_tokens and ids[-1] not in eos:
         N = len(ids)
+        t0 = _clock(dev)
         tree = proposer.propose(ids)
+        t1 = _clock(dev)
         depths = tree.depths()
         mask = torch.ones(len(tree) + 1, len(tree) + 1, dtype=torch.bool).tril()
         if len(tree):
@@ -198,6 +236,9 @@ def speculative_generate(
             [ids[-1]] + tree.tokens, [N - 1] + [N - 1 + x for x in depths], mask if len(tree) else None
         )
         pred = logits.argmax(-1).tolist()
+        t2 = _clock(dev)
+        st.draft_seconds += t1 - t0
+        st.target_seconds += t2 - t1
         children: dict[int, list[int]] = {}
         for i, p in enumerate(tree.parents):
             children.setdefault(p, []).append(i)
@@ -216,7 +257,9 @@ def speculative_generate(
         if any(t in eos for t in new) or len(ids) - len(prompt) >= max_new_tokens:
             break
         if proposer.needs_aux:
+            t0 = _clock(dev)
             proposer.commit(ids, aux[rows])
+            st.draft_seconds += _clock(dev) - t0
     out = trim_output(ids[len(prompt) :], eos, max_new_tokens)
     st.new_tokens = len(out)
     return out, st

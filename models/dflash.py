@@ -42,7 +42,7 @@ from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
 from models.family import Family, Serving, block_attention, generator, pick_mask_token
 from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
-from models.proposer import Proposer, Tree
+from models.proposer import Proposer, Tree, verified_depth
 
 OBJECTIVES = ("ce", "dpace")
 DPACE_BETA = 0.5  # smoothing of the prefix-acceptance estimate (SpecForge's default)
@@ -390,13 +390,16 @@ class BlockProposer(Proposer):
     """Block drafting (DFlash, Domino: the draft's propose()): each step drafts one block of K tokens anchored at
     the newest committed token (position N-1), in one parallel forward. The draft caches per-layer context k/v of the
     committed positions 0..N-2 (from the target's aux hidden states, like vLLM's context-KV
-    precompute) and extends it with the rows the target verified."""
+    precompute) and extends it with the rows the target verified. depth k < K verifies the first k of the
+    block (the block still holds all K slots: it attends to itself both ways, so a shorter one is not the
+    trained draft)."""
 
     needs_aux = True
 
-    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash"):
+    def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash", depth: int | None = None):
         self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
-        self.name, self.depth = f"{family}-block{draft.K}", draft.K
+        self.depth = verified_depth(depth, draft.K)
+        self.name = f"{family}-block{draft.K}" + (f"-first{self.depth}" if self.depth < draft.K else "")
         self.kv, self.n_ctx = None, 0
 
     @torch.no_grad()
@@ -419,7 +422,7 @@ class BlockProposer(Proposer):
         self._catch_up(ids, aux)
 
     def propose(self, ids) -> Tree:
-        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
+        toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)[: self.depth]
         return Tree(list(toks), list(range(-1, len(toks) - 1)))
 
 
@@ -454,7 +457,8 @@ def block_family_batch(feats, b, target, draft, target_p=False, prev_embeds=Fals
 
 
 def block_proposer(draft, model, depth=None, topk=1):
-    return BlockProposer(draft, model.get_input_embeddings(), model.get_output_embeddings().weight, draft.family)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings().weight
+    return BlockProposer(draft, emb, head, draft.family, depth)
 
 
 def _build(cfg, target, counts, tokenizer):

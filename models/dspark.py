@@ -148,8 +148,8 @@ class DSparkProposer(BlockProposer):
     where the prefix survival Π_{j<=k} c_j drops below min_survival (DSpark's confidence-scheduled
     verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K."""
 
-    def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0):
-        super().__init__(draft, embed_tokens, head_weight, "dspark")
+    def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0, depth: int | None = None):
+        super().__init__(draft, embed_tokens, head_weight, "dspark", depth)
         if not 0.0 <= min_survival <= 1.0:
             raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
         self.min_survival = min_survival
@@ -157,7 +157,7 @@ class DSparkProposer(BlockProposer):
 
     def propose(self, ids) -> Tree:
         logits, conf = self.draft.block_logits(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)
-        toks, survival = logits.argmax(-1).tolist(), conf.cumprod(0).tolist()
+        toks, survival = logits.argmax(-1).tolist()[: self.depth], conf.cumprod(0).tolist()[: self.depth]
         self.confidence.append(conf.tolist())
         keep = len(toks) if self.min_survival <= 0 else sum(1 for s in survival if s >= self.min_survival)
         return Tree(toks[:keep], list(range(-1, keep - 1)))
@@ -189,7 +189,7 @@ FAMILY = Family(
     counts=lambda batch, draft, cfg: block_counts(batch),
     step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
     proposer=lambda draft, model, depth, topk: DSparkProposer(
-        draft, model.get_input_embeddings(), model.get_output_embeddings().weight
+        draft, model.get_input_embeddings(), model.get_output_embeddings().weight, depth=depth
     ),
     serving=Serving("block", ("vllm",), "dspark", architecture="Qwen3DSparkModel"),
     packs=True,

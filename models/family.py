@@ -23,7 +23,7 @@ family only through that list, so adding one is a new file here plus one line th
     proposer    (draft, HF target model, depth, topk) -> the Proposer evaluate.py and gate.py
                 decode with (models/proposer.py)
     decode_depth  the proposer drafts any depth / top-k tree asked for (evaluate.py -k, --tree-topk);
-                otherwise the K it was trained for
+                otherwise the K it was trained for per step, of which it verifies the first depth <= K
     serving     how export.py writes it for the engines (None: no engine in reach loads it)
     draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
     packs       whether its host / make_batch / step keep the documents of packed rows apart

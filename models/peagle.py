@@ -34,7 +34,7 @@ from torch import nn
 from kernels.masks import create_block_mask, flex_attention_compiled, mask_grid, peagle_mask
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
 from models.family import Family, Serving, block_attention, generator, pick_mask_token, with_vocab
-from models.proposer import Tree
+from models.proposer import Tree, verified_depth
 
 DOWN_SAMPLE_RATIO, DOWN_SAMPLE_MIN = 0.7, 0.2
 
@@ -211,11 +211,12 @@ class PEagleProposer(Eagle3Proposer):
     """P-EAGLE parallel drafting: the EAGLE-3 catch-up, then K tokens from one draft forward:
     depth 0 from the last committed position's output, depths 1..K-1 from K-1 slots at positions
     N-1 .. N+K-3 fed the mask token and fc(mask_hidden), attending the draft cache and causally
-    to each other (vLLM's parallel_drafting layout)."""
+    to each other (vLLM's parallel_drafting layout). depth k < K drafts the first k (the slots are
+    causal, so they are the first k of the K)."""
 
-    def __init__(self, draft, embed_tokens):
-        super().__init__(draft, embed_tokens, depth=draft.K)
-        self.name = f"peagle-parallel{draft.K}"
+    def __init__(self, draft, embed_tokens, depth: int | None = None):
+        super().__init__(draft, embed_tokens, depth=verified_depth(depth, draft.K))
+        self.name = f"peagle-parallel{draft.K}" + (f"-first{self.depth}" if self.depth < draft.K else "")
 
     @torch.no_grad()
     def propose(self, ids) -> Tree:
@@ -275,7 +276,7 @@ FAMILY = Family(
     make_batch=_make_batch,
     counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
     step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
-    proposer=lambda draft, model, depth, topk: PEagleProposer(draft, model.get_input_embeddings()),
+    proposer=lambda draft, model, depth, topk: PEagleProposer(draft, model.get_input_embeddings(), depth),
     # vLLM drafts P-EAGLE as EAGLE-3 with parallel_drafting (SGLang has no parallel drafting here)
     serving=Serving("eagle3", ("vllm",), "eagle3", {"parallel_drafting": True}),
     draft_vocab=True,

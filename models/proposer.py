@@ -50,3 +50,13 @@ class Proposer:
 
     def commit(self, ids: list[int], aux):
         pass
+
+
+def verified_depth(depth: int | None, K: int) -> int:
+    """The drafted tokens a fixed-K proposer (block, parallel) verifies: `depth`, at most the K it
+    was trained for (None = K)."""
+    if depth is None:
+        return K
+    if not 1 <= depth <= K:
+        raise ValueError(f"this draft proposes K = {K} tokens per step: verify 1..{K} of them, not {depth}")
+    return depth

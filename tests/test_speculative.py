@@ -8,7 +8,7 @@ import torch
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
 from models.proposer import Proposer, Tree
 from models.target import Target
-from speculative import NgramProposer, TargetRunner, speculative_generate
+from speculative import NgramProposer, SpecStats, TargetRunner, speculative_generate
 from tests.tiny import tiny_llama
 
 
@@ -185,6 +185,73 @@ def test_copy_draft_is_fully_accepted():
     assert st.summary()["tau"] == 4.0 and st.accepted_per_pos == [st.drafts] * 3
 
 
+def test_counters_and_timings_add_up():
+    """Per-position acceptance sums to the accepted total, τ = 1 + accepted / steps = tokens per
+    verification forward, and the draft cost c is the timed drafting over the timed verification: a
+    proposer that sleeps 20 ms per proposal costs at least 20 ms x steps, and speed-up = τ / (1 + c)."""
+    import time
+
+    hf = tiny_llama(seed=3)
+    draft, aux = random_draft(hf, 3)
+    chain = Eagle3Proposer(draft, hf.get_input_embeddings(), depth=4)
+
+    class Slow(Proposer):  # the chain, 20 ms slower per proposal
+        needs_aux, depth = True, 4
+        prefill, commit = chain.prefill, chain.commit
+
+        def propose(self, ids):
+            time.sleep(0.02)
+            return chain.propose(ids)
+
+    prompt = list(range(3, 20))
+    fast_out, fast = speculative_generate(TargetRunner(hf, aux), chain, prompt, 30)
+    out, st = speculative_generate(TargetRunner(hf, aux), Slow(), prompt, 30)
+    assert out == fast_out and out == hf_greedy(hf, prompt, 30)
+    s = st.summary()
+    assert sum(st.accepted_per_pos) == st.accepted and len(st.accepted_per_pos) == 4
+    assert all(a >= b for a, b in zip(st.accepted_per_pos, st.accepted_per_pos[1:]))  # a chain: a prefix
+    assert s["tau"] == pytest.approx(1 + st.accepted / st.drafts)
+    assert s["tau"] == pytest.approx((st.new_tokens - 1) / st.drafts, abs=4 / st.drafts)  # prefill makes token 1
+    assert s["acceptance_per_pos"] == pytest.approx([a / st.drafts for a in st.accepted_per_pos])
+    assert st.draft_seconds >= 0.02 * st.drafts and st.draft_seconds > fast.draft_seconds + 0.019 * st.drafts
+    assert s["draft_cost"] == pytest.approx(st.draft_seconds / st.target_seconds, rel=1e-4)
+    assert s["expected_speedup"] == pytest.approx(s["tau"] / (1 + s["draft_cost"]))
+    plain = speculative_generate(TargetRunner(hf, aux), Proposer(), prompt, 30)[1].summary()
+    assert plain["tau"] == 1.0 and plain["draft_cost"] < 0.05 and plain["expected_speedup"] > 0.95
+    total = SpecStats()
+    total.add(st)
+    total.add(fast)
+    assert total.draft_seconds == pytest.approx(st.draft_seconds + fast.draft_seconds)
+    assert total.accepted_per_pos == [a + b for a, b in zip(st.accepted_per_pos, fast.accepted_per_pos)]
+
+
+def test_fixed_k_proposers_verify_the_first_k():
+    """A block / parallel draft trained for K = 4 verified at k = 2: every step proposes the first 2
+    of the 4 tokens it drafts at k = 4, and the output stays greedy."""
+    from models.dflash import BlockProposer, DFlashConfig, DFlashDraft
+    from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
+
+    hf = tiny_llama(seed=4)
+    aux = Target(hf).aux_layers
+    torch.manual_seed(0)
+    block = DFlashDraft(DFlashConfig.from_target(hf.config, aux, 5, 1, 1)).eval()
+    peagle = PEagleDraft(PEagleConfig.from_target(hf.config, 48, aux, mask_token_id=1, depths=4)).eval()
+    emb, head = hf.get_input_embeddings(), hf.get_output_embeddings().weight
+    prompt = list(range(5, 21))
+    _, h_aux = TargetRunner(hf, aux).forward(prompt, list(range(len(prompt))))
+    for make in (lambda d: BlockProposer(block, emb, head, depth=d), lambda d: PEagleProposer(peagle, emb, d)):
+        full, first2 = make(None), make(2)
+        assert full.depth == 4 and first2.depth == 2 and first2.name.endswith("4-first2")
+        ids = prompt + [7]
+        full.prefill(ids, h_aux)
+        first2.prefill(ids, h_aux)
+        assert first2.propose(ids).tokens == full.propose(ids).tokens[:2]
+        out, st = speculative_generate(TargetRunner(hf, aux), make(2), prompt, 12)
+        assert out == hf_greedy(hf, prompt, 12) and st.draft_tokens == 2 * st.drafts
+        with pytest.raises(ValueError, match="verify 1..4"):
+            make(5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain3", "tree3x4"])
 def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
@@ -293,7 +360,9 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
         for b in (1, 2)
     }
     assert res[2]["eagle3-chain3"]["prompts"] == 5
-    assert res[1] == {k: {**v, "seconds": res[1][k]["seconds"]} for k, v in res[2].items()}
+    clock = ("seconds", "draft_seconds", "target_seconds", "draft_cost", "expected_speedup")  # batched: not timed
+    assert res[2]["eagle3-chain3"]["draft_cost"] is None and res[2]["eagle3-tree2x2"]["draft_cost"] > 0
+    assert res[1] == {k: {**v, **{c: res[1][k][c] for c in clock}} for k, v in res[2].items()}
 
 
 def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
