@@ -7,7 +7,9 @@ ttt_scaling.csv -> ttt_tau.png (τ vs TTT per benchmark: seed mean, min-max band
 dot) and ttt_cost.png (draft step time and peak memory vs TTT from ttt_cost_h200.jsonl, each step
 alone on the GPU, else the CSV's training time and peak memory); moe_drafts.csv -> moe_tau.png;
 data_regen.csv -> regen_tau.png (bars: seed mean, min-max error bars, dots: seeds);
-throughput_h200.jsonl -> backends_h200.png (experiments/throughput.py's figure: HF vs compiled).
+throughput_h200.jsonl -> backends_h200.png (experiments/throughput.py's figure: HF vs compiled);
+families_h200.csv -> families_h200.png (τ and expected speed-up τ / (1 + c) per family at each K: mean
+of the benchmarks, bars: seed mean, error bars: min-max over seeds, dots: seeds).
 A CSV holding rows of several scales is plotted at the scale of its last row (the others are
 counted in the title).
 """
@@ -58,7 +60,8 @@ def subtitle(rows: list[dict], others: int) -> str:
     return (
         f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; "
         f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
-        f"chain K={s['eval_k']}, {s['num_prompts']} prompts/benchmark, "
+        f"K={s['eval_k'] if 'eval_k' in s else ' and '.join(map(str, s['eval_ks']))}, "
+        f"{s['num_prompts']} prompts/benchmark, "
         f"{len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
         + (f" ({others} rows of other scales not shown)" if others else "")
     )
@@ -177,6 +180,56 @@ def plot_bars(path: Path, figures: Path, name: str, title: str, order: list[str]
     return [out]
 
 
+def plot_families(path: Path, figures: Path, order: list[str]) -> list[Path]:
+    """Two panels, τ and expected speed-up (mean of the benchmarks), a bar per (family, K)."""
+    rows, others = read_rows(path)
+    if not rows:
+        return []
+    ks = json.loads(rows[-1]["scale"])["eval_ks"]
+    seen = list(dict.fromkeys(r["setting"] for r in rows))
+    settings = [s for s in order if s in seen] + [s for s in seen if s not in order]
+    width = 0.8 / len(ks)
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(settings) * 2), 4))
+    cmap = plt.get_cmap("tab10")
+    for ax, (col, label) in zip(
+        axes, (("tau_mean", "τ (tokens / target forward)"), ("speedup_mean", "expected speed-up τ / (1 + c)"))
+    ):
+        for i, k in enumerate(ks):
+            vals = by_setting(rows, f"{col}_k{k}")
+            for j, s in enumerate(settings):
+                v = vals[s]
+                if not v:
+                    continue
+                x, m = j + (i - (len(ks) - 1) / 2) * width, sum(v) / len(v)
+                ax.bar(
+                    x,
+                    m,
+                    width,
+                    color=cmap(i),
+                    label=f"K = {k}" if j == 0 else None,
+                    yerr=[[m - min(v)], [max(v) - m]],
+                    capsize=2,
+                    edgecolor="black",
+                    linewidth=0.4,
+                )
+                ax.scatter([x] * len(v), v, color="black", s=6, zorder=3)
+        ax.axhline(1.0, color="#888888", linewidth=0.8)  # plain decoding
+        ax.set_xticks(range(len(settings)), settings, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        "Draft families at one budget: mean of MT-Bench, HumanEval, GSM8K (c: draft cost per step in target forwards)\n"
+        + subtitle(rows, others),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    out = figures / "families_h200.png"
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return [out]
+
+
 @dataclass
 class PlotArgs:
     results: str = str(RESULTS)
@@ -207,6 +260,10 @@ def main(a: PlotArgs) -> list[Path]:
             "Training data: ShareGPT's answers vs the target's own",
             ["original", "regenerated"],
         )
+    if (results / "families_h200.csv").exists():
+        from experiments.families import SETTINGS as FAMILY_SETTINGS
+
+        made += plot_families(results / "families_h200.csv", figures, [s for s, _ in FAMILY_SETTINGS])
     if (results / "throughput_h200.jsonl").exists():
         from experiments.throughput import plot as plot_backends
 

@@ -15,6 +15,11 @@ conversations per batch) start once no training runs, at most --eval-parallel at
 (--eval-device cpu) or the GPU. One exception: with --parallel 1, a GPU training and CPU evaluation
 (--overlap-eval), run i is evaluated while run i+1 trains, so a run costs max(train, eval).
 
+A study that measures more per run (families.py: several K, the draft cost) subclasses Sweep:
+`columns`, `ks` (the K of the evaluation), `metrics` (a run's evaluation -> its CSV fields) and
+`seeds_of` (the seeds of a setting). A setting whose flags hold `--strategy NAME` trains that family
+(--draft-vocab-size is passed only to the families that read it).
+
 --smoke: the tiny version for CI (2 steps, 1 setting, 1 seed, 1 prompt of 8 tokens, a CSV in a
 temporary directory unless --csv says otherwise).
 """
@@ -164,11 +169,11 @@ def done_keys(path: Path) -> set:
         return {(r["setting"], int(r["seed"]), r["scale"]) for r in csv.DictReader(f)}
 
 
-def append_row(path: Path, row: dict):
+def append_row(path: Path, row: dict, columns: list[str] = COLUMNS):
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerow(row)
@@ -193,6 +198,8 @@ def _tail(log: Path, n=3000) -> str:
 class Sweep:
     """settings: [(name, extra train.py args)]; the study's name names the CSV and the runs."""
 
+    columns = COLUMNS
+
     def __init__(self, study: str, settings: list[tuple[str, list[str]]], args: SweepArgs):
         if args.smoke and not args.only:
             settings = settings[-1:]  # the last: the MoE and longest-TTT code paths
@@ -207,14 +214,24 @@ class Sweep:
         cores = os.cpu_count() or 1
         self.eval_parallel = args.eval_parallel or (1 if args.eval_device != "cpu" or args.parallel == 1 else cores)
         self.eval_threads = args.eval_threads or (max(1, cores // self.eval_parallel) if self.eval_parallel > 1 else 0)
+        self.ks = (args.eval_k,)  # evaluate.py -k
+
+    def seeds_of(self, setting: str) -> tuple[int, ...]:
+        return self.a.seeds
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
-        a = self.a
+        from models.families import family_of
+
+        a, strategy = self.a, "eagle3"
+        if "--strategy" in setting_args:
+            i = setting_args.index("--strategy")
+            strategy, setting_args = setting_args[i + 1], setting_args[:i] + setting_args[i + 2 :]
+        vocab = ["--draft-vocab-size", str(a.draft_vocab_size)] if family_of(strategy).draft_vocab else []
         cmd = [
             sys.executable,
             "train.py",
             "--strategy",
-            "eagle3",
+            strategy,
             "--target",
             a.target,
             "--data",
@@ -231,8 +248,7 @@ class Sweep:
             str(a.lr),
             "--holdout",
             str(a.holdout),
-            "--draft-vocab-size",
-            str(a.draft_vocab_size),
+            *vocab,
             "--ttt-length",
             str(a.ttt_length),
             "--seed",
@@ -261,7 +277,7 @@ class Sweep:
             "--max-new-tokens",
             str(a.max_new_tokens),
             "-k",
-            str(a.eval_k),
+            *map(str, self.ks),
             "--threads",
             str(self.eval_threads),
             "--device",
@@ -276,12 +292,9 @@ class Sweep:
         """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""
         a, t_start = self.a, time.time()
         done = done_keys(self.csv)
-        todo = [(s, args, seed) for seed in a.seeds for s, args in self.settings if (s, seed, self.scale) not in done]
-        print(
-            f"[{self.study}] {len(todo)} runs to do, "
-            f"{len(self.settings) * len(a.seeds) - len(todo)} already in {self.csv}",
-            flush=True,
-        )
+        runs = [(s, args, seed) for seed in a.seeds for s, args in self.settings if seed in self.seeds_of(s)]
+        todo = [(s, args, seed) for s, args, seed in runs if (s, seed, self.scale) not in done]
+        print(f"[{self.study}] {len(todo)} runs to do, {len(runs) - len(todo)} already in {self.csv}", flush=True)
         if a.dry_run:
             for s, args, seed in todo:
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
@@ -376,20 +389,17 @@ class Sweep:
             return 1
         res = _last_json(run / "eval.log")
         meta = json.loads((run / "run.json").read_text())
-        k = f"eagle3-chain{self.a.eval_k}"
-        taus = {b: res["results"][b][k]["tau"] for b in BENCHMARKS if b in res["results"]}
         mem = meta.get("peak_memory", {})
         kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
-        from models.eagle3 import Eagle3Config, Eagle3Draft
+        from models.families import family_of
         from models.layers import param_count
 
+        f = family_of(meta["config"]["strategy"])
         row = {
             "study": self.study,
             "setting": setting,
             "seed": seed,
-            **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
-            "tau_mean": round(sum(taus.values()) / len(taus), 4),
-            "eval_k": self.a.eval_k,
+            **self.metrics(res["results"]),
             "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
             "train_seconds": round(meta["results"]["train_seconds"], 1),
             "parallel": json.loads((run / "sweep.json").read_text())["parallel"]
@@ -398,7 +408,7 @@ class Sweep:
             "eval_seconds": round(time.time() - t0, 1),
             "peak_memory_gib": round(mem.get(f"{kind}_bytes", 0) / 2**30, 3),
             "peak_memory_kind": kind,
-            "draft_params_m": round(param_count(Eagle3Draft(Eagle3Config(**meta["draft"]))) / 1e6, 3),
+            "draft_params_m": round(param_count(f.draft_cls(f.config_cls(**meta["draft"]))) / 1e6, 3),
             "scale": self.scale,
             "config": json.dumps(meta["config"], sort_keys=True, default=str),
             "git_commit": meta["git_commit"],
@@ -409,19 +419,32 @@ class Sweep:
             "eval_cmd": " ".join(self.eval_cmd(run)),
             "run_dir": str(run),
         }
-        append_row(self.csv, row)
+        append_row(self.csv, row, self.columns)
+        taus = {c.removeprefix("tau_"): v for c, v in row.items() if c.startswith("tau_") and c != "tau_mean"}
         print(
-            f"[{self.study}] {setting} seed {seed}: tau {json.dumps({b: row[f'tau_{b}'] for b in taus})}, "
+            f"[{self.study}] {setting} seed {seed}: tau {json.dumps(taus)}, "
             f"train {row['train_seconds']:.0f}s, peak {row['peak_memory_gib']:.2f} GiB",
             flush=True,
         )
         return 0
 
+    def metrics(self, results: dict) -> dict:
+        """evaluate.py's results {benchmark: {proposer: summary}} -> this study's measured CSV fields:
+        τ of the chain of --eval-k per benchmark and their mean."""
+        k = f"eagle3-chain{self.a.eval_k}"
+        taus = {b: results[b][k]["tau"] for b in BENCHMARKS if b in results}
+        return {
+            **{f"tau_{b}": round(t, 4) for b, t in taus.items()},
+            "tau_mean": round(sum(taus.values()) / len(taus), 4),
+            "eval_k": self.a.eval_k,
+        }
 
-def main(study: str, settings: list[tuple[str, list[str]]], args: SweepArgs, prepare=None) -> int:
-    """prepare(args) -> args: a study's one-time setup (e.g. data files) before the runs."""
+
+def main(study: str, settings: list[tuple[str, list[str]]], args: SweepArgs, prepare=None, sweep=Sweep) -> int:
+    """prepare(args) -> args: a study's one-time setup (e.g. data files) before the runs; sweep: Sweep or a
+    subclass of it."""
     if args.smoke:
         args = smoke_args(args, study)
     if prepare is not None:
         args = prepare(args)
-    return Sweep(study, settings, args).run()
+    return sweep(study, settings, args).run()

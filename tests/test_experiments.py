@@ -3,6 +3,7 @@ evaluates one run and appends one row, a second call skips it, and plot.py draws
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,60 @@ def results(tmp_path_factory, tiny_run_inputs):
         assert f"{setting} seed 0: tau" in out
         assert "0 runs to do, 1 already in" in run(common)  # finished runs are skipped
     return res
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, tiny_run_inputs):
+    """families.py's smoke for one chain drafter and one block drafter: its CSV."""
+    target, data = tiny_run_inputs
+    results = tmp_path_factory.mktemp("families")
+    common = [
+        "experiments/families.py",
+        "--smoke",
+        "--only",
+        "eagle3",
+        "dflash",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--csv",
+        str(results / "families_h200.csv"),
+        "--runs-dir",
+        str(results / "runs"),
+    ]
+    out = run(common)
+    print(out)  # the smoke output, for -s
+    assert "eagle3 seed 0: tau" in out and "dflash seed 0: tau" in out
+    assert "0 runs to do, 2 already in" in run(common)
+    return results / "families_h200.csv"
+
+
+def test_families_one_row_per_run(families):
+    """One row per run; per K, τ >= 1 on every benchmark, a measured draft cost c > 0, speed-up = τ / (1 + c)
+    per benchmark, and per-position acceptance rates that fall with the position and add up to τ - 1."""
+    import math
+
+    rows = list(csv.DictReader(open(families)))
+    assert sorted(r["setting"] for r in rows) == ["dflash", "eagle3"]
+    for r in rows:
+        cfg = json.loads(r["config"])
+        assert cfg["strategy"] == r["setting"] and cfg["steps"] == 2 and cfg["ttt_length"] == 7
+        assert r["eval_ks"] == "3 7" and float(r["draft_params_m"]) > 0
+        for k in (3, 7):
+            c = float(r[f"draft_cost_k{k}"])
+            assert math.isfinite(c) and c > 0 and float(r[f"draft_ms_k{k}"]) > 0 and float(r[f"target_ms_k{k}"]) > 0
+            acc = json.loads(r[f"accept_pos_k{k}"])
+            for b in ("mtbench", "humaneval", "gsm8k"):
+                tau = float(r[f"tau_{b}_k{k}"])
+                assert math.isfinite(tau) and tau >= 1.0
+                assert len(acc[b]) == k and all(x >= y for x, y in zip(acc[b], acc[b][1:]))
+                assert sum(acc[b]) == pytest.approx(tau - 1, abs=1e-3)
+                assert 0 < float(r[f"speedup_{b}_k{k}"]) <= tau + 1e-4
+            assert float(r[f"tau_mean_k{k}"]) == pytest.approx(
+                sum(float(r[f"tau_{b}_k{k}"]) for b in ("mtbench", "humaneval", "gsm8k")) / 3, abs=1e-3
+            )
+        assert "-k 3 7" in r["eval_cmd"] and ("--draft-vocab-size" in r["train_cmd"]) == (r["setting"] == "eagle3")
 
 
 @pytest.mark.parametrize(
@@ -94,7 +149,7 @@ def test_matched_data_are_the_same_chats(results):
     )  # the answers differ
 
 
-def test_plots(results, tmp_path):
+def test_plots(results, families, tmp_path):
     row = {
         "model": "tiny-llama",
         "backend": "hf",
@@ -112,9 +167,17 @@ def test_plots(results, tmp_path):
         "date": "2026",
     }
     (results / "throughput_h200.jsonl").write_text(json.dumps(row) + "\n")
+    shutil.copy(families, results / "families_h200.csv")
     figs = tmp_path / "figures"
     out = run(["experiments/plot.py", "--results", str(results), "--figures", str(figs)])
-    for name in ("ttt_tau.png", "ttt_cost.png", "moe_tau.png", "regen_tau.png", "backends_h200.png"):
+    for name in (
+        "ttt_tau.png",
+        "ttt_cost.png",
+        "moe_tau.png",
+        "regen_tau.png",
+        "backends_h200.png",
+        "families_h200.png",
+    ):
         assert (figs / name).stat().st_size > 1000, name
         assert name in out
 

@@ -1,0 +1,150 @@
+"""Every draft family side by side (issue 20): the same target, data, held-out split, recipe and
+token budget for each; τ per benchmark at K = 3 and K = 7, per-position acceptance, the draft cost
+per verification step and the expected speed-up.
+
+    eagle3        EAGLE-3, chain drafting (K draft forwards per step)
+    eagle3.1      EAGLE-3.1: + fc_norm and norm_output
+    eagle3-lk     EAGLE-3 trained with the LK objective lk-lambda (the KL / α mix; lk-alpha is one --only away)
+    peagle        P-EAGLE: K tokens from one parallel draft forward
+    dflash        DFlash: one block of K masked slots per draft forward, hard CE
+    dflash-dpace  DFlash with D-PACE slot weights
+    domino        Domino: DFlash blocks + a GRU correction head
+    dspark        DSpark: blocks whose anchor predicts, Markov + confidence heads (all K verified)
+
+Every family is trained for K = --ttt-length (7) and evaluated at each K of --eval-ks: EAGLE-3 chains
+draft K deep; the fixed-K families draft their 7 per forward and the first K are verified
+(evaluate.py -k), so at K = 3 a block drafter still pays for its whole block. Per (benchmark, K),
+evaluate.py times drafting (propose + catch-up) and verification forwards at batch 1 (speculative.py);
+then
+
+    c        = draft seconds per verification step / target seconds per verification step
+    speed-up = τ / (1 + c)     (a step costs one target forward plus its drafting and emits τ tokens;
+                                plain decoding emits one token per target forward)
+
+Rows: experiments/results/families_h200.csv (default; --smoke: a temporary dir), columns `columns()`
+below: per K, tau_{benchmark}_k{K}, tau_mean_k{K}, speedup_{benchmark}_k{K}, speedup_mean_k{K} (mean
+of the benchmarks' speed-ups), draft_cost_k{K}, draft_ms_k{K} and target_ms_k{K} (per verification
+step, pooled over the benchmarks), accept_pos_k{K} (JSON: benchmark -> acceptance rate per position);
+then sweep.py's shared columns. Figure: experiments/plot.py -> figures/families_h200.png.
+
+    python experiments/families.py --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --eval-device cuda  # H200
+    python experiments/families.py --smoke --only eagle3 dflash                                          # CPU
+
+experiments/README.md ("Families side by side") has the H200 command and its budget.
+"""
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.sweep import BENCHMARKS, COLUMNS, RESULTS, Sweep, SweepArgs, main  # noqa: E402
+
+SETTINGS = [
+    ("eagle3", []),
+    ("eagle3.1", ["--fc-norm", "--norm-output"]),
+    ("eagle3-lk", ["--objective", "lk-lambda"]),
+    ("peagle", ["--strategy", "peagle"]),
+    ("dflash", ["--strategy", "dflash"]),
+    ("dflash-dpace", ["--strategy", "dflash", "--objective", "dpace"]),
+    ("domino", ["--strategy", "domino"]),
+    ("dspark", ["--strategy", "dspark"]),
+]
+KS = (3, 7)
+
+
+def columns(ks) -> list[str]:
+    """sweep.py's columns with its chain-K τ block replaced by this study's measurements."""
+    per_k = lambda k: [  # noqa: E731
+        *(f"tau_{b}_k{k}" for b in BENCHMARKS),
+        f"tau_mean_k{k}",
+        *(f"speedup_{b}_k{k}" for b in BENCHMARKS),
+        f"speedup_mean_k{k}",
+        f"draft_cost_k{k}",
+        f"draft_ms_k{k}",
+        f"target_ms_k{k}",
+        f"accept_pos_k{k}",
+    ]
+    measured = ["eval_ks", *(c for k in ks for c in per_k(k))]
+    return [*COLUMNS[:3], *measured, *COLUMNS[COLUMNS.index("eval_k") + 1 :]]
+
+
+@dataclass
+class FamiliesArgs(SweepArgs):
+    data: str = "sharegpt-greedy"
+    """the shipped draft's data (drafts/smollm2-135m-eagle3/provenance.json)"""
+    num_records: int = 0
+    holdout: int = 256
+    max_len: int = 1024
+    steps: int = 400
+    """the token budget: 400 x 32 conversations (~2 epochs of the 6,316 trained chats; experiments/README.md)"""
+    eval_ks: tuple[int, ...] = KS
+    """verified draft tokens per step of the evaluation (replaces --eval-k); each at most --ttt-length"""
+    all_seeds: tuple[str, ...] = ("eagle3", "dflash")
+    """the settings run at every seed of --seeds; the others at the first only"""
+    num_prompts: int = 3
+    """conversations per benchmark (MT-Bench: 2 turns each)"""
+    eval_batch: int = 1
+    """batch 1: the draft cost is timed per conversation (batched chains are not timed)"""
+
+    def scale(self) -> dict:
+        s = super().scale()
+        del s["eval_k"]
+        return {**s, "eval_ks": list(self.eval_ks)}
+
+
+def pick(by_proposer: dict, k: int) -> dict:
+    """The one draft proposer result of a benchmark that verified k tokens per step (no tree)."""
+    hits = [r for r in by_proposer.values() if r.get("k") == k and r.get("topk", 1) == 1]
+    if len(hits) != 1:
+        raise ValueError(f"expected one proposer with k = {k}, found {sorted(by_proposer)}")
+    return hits[0]
+
+
+class FamiliesSweep(Sweep):
+    def __init__(self, study, settings, args: FamiliesArgs):
+        super().__init__(study, settings, args)
+        self.ks = args.eval_ks
+        self.columns = columns(self.ks)
+
+    def seeds_of(self, setting: str) -> tuple[int, ...]:
+        return self.a.seeds if setting in self.a.all_seeds else self.a.seeds[:1]
+
+    def metrics(self, results: dict) -> dict:
+        row = {"eval_ks": " ".join(map(str, self.ks))}
+        for k in self.ks:
+            r = {b: pick(results[b], k) for b in BENCHMARKS if b in results}
+            drafts = sum(x["drafts"] for x in r.values())
+            draft_s, target_s = (sum(x[f] for x in r.values()) for f in ("draft_seconds", "target_seconds"))
+            row.update(
+                {
+                    **{f"tau_{b}_k{k}": round(x["tau"], 4) for b, x in r.items()},
+                    f"tau_mean_k{k}": round(sum(x["tau"] for x in r.values()) / len(r), 4),
+                    **{f"speedup_{b}_k{k}": round(x["expected_speedup"], 4) for b, x in r.items()},
+                    f"speedup_mean_k{k}": round(sum(x["expected_speedup"] for x in r.values()) / len(r), 4),
+                    f"draft_cost_k{k}": round(draft_s / target_s, 4),
+                    f"draft_ms_k{k}": round(1e3 * draft_s / drafts, 3),
+                    f"target_ms_k{k}": round(1e3 * target_s / drafts, 3),
+                    f"accept_pos_k{k}": json.dumps(
+                        {b: [round(a, 4) for a in x["acceptance_per_pos"]] for b, x in r.items()}
+                    ),
+                }
+            )
+        return row
+
+
+def prepare(a: FamiliesArgs) -> FamiliesArgs:
+    if max(a.eval_ks) > a.ttt_length:
+        raise SystemExit(f"--eval-ks {a.eval_ks}: the fixed-K families draft --ttt-length {a.ttt_length} per step")
+    return a if a.csv else dataclasses.replace(a, csv=str(RESULTS / "families_h200.csv"))
+
+
+if __name__ == "__main__":
+    args = tyro.cli(FamiliesArgs)
+    if args.eval_k != SweepArgs.eval_k:
+        raise SystemExit("families.py evaluates at every K of --eval-ks (default 3 7); --eval-k is not used here")
+    sys.exit(main("families", SETTINGS, args, prepare=prepare, sweep=FamiliesSweep))
