@@ -92,12 +92,11 @@ def test_vllm_reads_both_formats_alike(tmp_path, family):
     here from the vLLM venv's file) turns our speculators config into the draft config our vLLM-format
     export writes, on every field its loaders read."""
     import importlib.util
-    import os
 
-    venv = Path(os.environ.get("NANOSPEC_VLLM_VENV") or Path(__file__).resolve().parents[1] / ".venv-vllm")
-    algos = next(venv.glob("lib/python3*/site-packages/vllm/transformers_utils/configs/speculators/algos.py"), None)
-    if algos is None:
-        pytest.skip(f"no vLLM venv at {venv}")
+    from tools.vllm_spec import DEFAULT_VENV, ensure_venv
+
+    ensure_venv(DEFAULT_VENV)  # built here if no earlier test did (the gate tests build it too)
+    algos = next(DEFAULT_VENV.glob("lib/python3*/site-packages/vllm/transformers_utils/configs/speculators/algos.py"))
     spec = importlib.util.spec_from_file_location("vllm_speculators_algos", algos)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
