@@ -416,7 +416,7 @@ class Trainer:
         target_dir = resolve_target(cfg.target)
         if cfg.backend == "auto":
             backend, why = pick_backend(target_dir, kind)
-            if why:
+            if why and not (cfg.features or cfg.deploy.role == "consumer"):  # else no target forward runs here
                 self.print(f"[target] --backend hf: {why}")
             self.cfg = cfg = dataclasses.replace(cfg, backend=backend)
             if cfg.tp > 1 and backend == "hf":
