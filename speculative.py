@@ -59,8 +59,9 @@ class SpecStats:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0  # propose + commit of the verification steps (module docstring)
-    target_seconds: float = 0.0  # the verification forwards (not the prefill)
+    # wall-clock timings (module docstring): not part of what a decode is, so == ignores them
+    draft_seconds: float = field(default=0.0, compare=False)  # propose + commit of the verification steps
+    target_seconds: float = field(default=0.0, compare=False)  # the verification forwards (not the prefill)
 
     def add(self, o: "SpecStats"):
         for k in (

@@ -210,6 +210,6 @@ def test_export_vllm_format_and_load_back(tmp_path):
     prompt = [3, 17, 5, 60, 2, 9, 41, 8]
     a = speculative_generate(runner, PEagleProposer(draft.eval(), hf.get_input_embeddings()), prompt, 12)
     b = speculative_generate(runner, PEagleProposer(back, hf.get_input_embeddings()), prompt, 12)
-    assert a[0] == b[0] and a[1].summary() == b[1].summary()
+    assert a[0] == b[0] and a[1] == b[1]  # the same tokens and counters (SpecStats == ignores timings)
     with pytest.raises(export.ExportError, match="only the vLLM format"):
         export.export(run, tmp_path / "sg", engine="sglang")
