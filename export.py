@@ -106,6 +106,7 @@ from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.peagle import PEagleConfig
+from runlog import write_checkpoint
 
 ENGINES = ("vllm", "sglang", "speculators")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -902,7 +903,7 @@ def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: st
         "target": found["target"],
         "imported_from": {"format": found["format"], "path": str(Path(src).resolve())},
     }
-    return _write_checkpoint(Path(out), draft.state_dict(), meta)
+    return write_checkpoint(Path(out) / "ckpt", "step_0", draft.state_dict(), meta)  # no train_state.pt
 
 
 def read_draft(src: str | Path, fmt: str = "auto", target: str | None = None) -> tuple[torch.nn.Module, dict]:
@@ -977,23 +978,6 @@ def read_draft(src: str | Path, fmt: str = "auto", target: str | None = None) ->
             except RuntimeError as e:
                 raise ExportError(f"{wfile}: {str(e).splitlines()[0]} {str(e).splitlines()[1:2]}") from None
     return draft.eval(), {"format": fmt, "target": target or recorded}
-
-
-def _write_checkpoint(out: Path, sd: dict, meta: dict) -> Path:
-    """ckpt/step_0 as train.py lays it out (no train_state.pt: no optimizer or schedule to resume)."""
-    from safetensors.torch import save_file
-
-    d = out / "ckpt" / "step_0"
-    tmp = d.with_name(d.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "draft.safetensors")
-    (tmp / "config.json").write_text(json.dumps(meta, indent=1))
-    if d.exists():
-        shutil.rmtree(d)
-    tmp.rename(d)
-    (out / "ckpt" / "latest").write_text(d.name)
-    return d
 
 
 @dataclass

@@ -81,11 +81,19 @@ def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
 
 
 def load_target(
-    backend: str, spec, aux_layers=None, dtype=torch.float32, device="cpu", max_len: int = 2048, vllm_target=None
+    backend: str,
+    spec,
+    aux_layers=None,
+    dtype=torch.float32,
+    device="cpu",
+    max_len: int = 2048,
+    vllm_target=None,
+    tp_mesh=None,
 ):
     """The target for --backend (max_len: the longest sample, which vLLM must accept). vllm_target:
     tools/vllm_features.vllm_target, passed in by the entry scripts (vLLM's venv and layer ids belong
-    to tools/ and export.py, which library code does not import)."""
+    to tools/ and export.py, which library code does not import). tp_mesh: the compiled target split
+    over it by tensor parallelism (train.py --tp)."""
     if backend == "auto":
         backend, why = pick_backend(spec, torch.device(device).type)
         if why:
@@ -96,8 +104,10 @@ def load_target(
         from models.fast_target import FastTarget  # imports flex attention and dynamo (seconds)
 
         target = FastTarget.from_pretrained(spec, aux_layers, dtype, device)
+        if tp_mesh is not None:
+            target.parallelize(tp_mesh)
         if torch.device(device).type == "cuda":
-            target.compile_layers(dynamic=None)
+            target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
         return target
     if backend == "vllm":
         if vllm_target is None:

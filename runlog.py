@@ -1,10 +1,11 @@
 """Run artefacts: run.json (config, versions, git commit, hardware, results), metrics.jsonl,
-and TensorBoard scalars. Only rank 0 writes."""
+TensorBoard scalars, and the checkpoint directory layout (write_checkpoint). Only rank 0 writes."""
 
 import dataclasses
 import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -183,3 +184,31 @@ class Throughput:
             out["mfu"] = self.flops_per_token * real / dt / (self.n_devices * self.peak)
         self.t0, self.real, self.rows, self.steps = time.perf_counter(), 0, 0, 0
         return out
+
+
+def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None) -> Path:
+    """A training checkpoint as train.py writes it and export.py --import-from mimics: ck/<name>.tmp
+    holding draft.safetensors and config.json (meta: {strategy, draft, target, ...}), plus whatever
+    extra(tmp) writes (train.py: train_state.pt), renamed to ck/<name> when complete (a checkpoint
+    directory is complete or absent), then ck/latest replaced atomically. A failed write removes the
+    partial directory and latest.tmp, leaves earlier checkpoints as they were, and re-raises."""
+    from safetensors.torch import save_file
+
+    d, latest_tmp = ck / name, ck / "latest.tmp"
+    tmp = d.with_name(d.name + ".tmp")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in draft_sd.items()}, tmp / "draft.safetensors")
+        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        if extra is not None:
+            extra(tmp)
+        if d.exists():
+            shutil.rmtree(d)
+        tmp.rename(d)
+        latest_tmp.write_text(d.name)
+        os.replace(latest_tmp, ck / "latest")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest_tmp.unlink(missing_ok=True)
+        raise
+    return d

@@ -35,12 +35,12 @@ from data.vocab import count_tokens
 from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
-from features import BACKENDS, VllmTarget, pick_backend
+from features import BACKENDS, load_target, pick_backend
 from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
-from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, Target, TargetHeads, load_tokenizer, resolve_target
-from runlog import RunLog, Throughput, peak_flops, run_metadata
+from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
+from runlog import RunLog, Throughput, peak_flops, run_metadata, write_checkpoint
 from tools.vllm_features import vllm_target
 
 
@@ -436,21 +436,15 @@ class Trainer:
             )
         elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
             self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
-        elif cfg.backend == "compiled":
-            from models.fast_target import FastTarget
-
-            self.target = FastTarget.from_pretrained(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
+        else:
+            aux = list(cfg.aux_layers) or None
+            self.target = load_target(
+                cfg.backend, target_dir, aux, self.dtype, self.device, cfg.max_len, vllm_target, tp_mesh=self.tp_mesh
+            )
             if self.tp_mesh is not None:
-                self.target.parallelize(self.tp_mesh)
                 self.print(
                     f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)"
                 )
-            if kind == "cuda":
-                self.target.compile_layers(dynamic=None)  # batch shapes vary unless --compile pads them
-        elif cfg.backend == "vllm":
-            self.target = vllm_target(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device, cfg.max_len)
-        else:
-            self.target = Target.load(target_dir, list(cfg.aux_layers) or None, self.dtype, self.device)
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = self._packing(kind)
         self._load_data()
@@ -679,39 +673,15 @@ class Trainer:
         self.barrier()
 
     def _write_checkpoint(self, step: int, model_sd: dict, optim_sd: dict, rngs: list):
-        """ckpt/step_N.tmp, renamed to step_N when complete, then ckpt/latest (replaced atomically). A failed
-        write (disk full, ...) removes the partial directory and leaves the earlier checkpoints as they were."""
-        from safetensors.torch import save_file
-
+        """ckpt/step_N with the training state beside the draft (runlog.write_checkpoint: complete or absent,
+        ckpt/latest replaced atomically); a failed write (disk full, ...) is one CheckpointError naming it."""
         ck = self.out / "ckpt"
         d = ck / f"step_{step}"
-        tmp = d.with_name(d.name + ".tmp")
+        meta = {"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}
+        state = {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in model_sd.items()}, tmp / "draft.safetensors")
-            (tmp / "config.json").write_text(
-                json.dumps(
-                    {
-                        "strategy": self.cfg.strategy,
-                        "draft": self.draft_config.to_dict(),
-                        "target": str(self.target.path),
-                    },
-                    indent=1,
-                )
-            )
-            torch.save(
-                {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world},
-                tmp / "train_state.pt",
-            )
-            if d.exists():
-                shutil.rmtree(d)
-            tmp.rename(d)  # a checkpoint directory is complete or absent
-            latest_tmp = ck / "latest.tmp"
-            latest_tmp.write_text(d.name)
-            os.replace(latest_tmp, ck / "latest")
+            write_checkpoint(ck, d.name, model_sd, meta, lambda tmp: torch.save(state, tmp / "train_state.pt"))
         except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
-            shutil.rmtree(tmp, ignore_errors=True)
-            (ck / "latest.tmp").unlink(missing_ok=True)
             why = (
                 "no space left on the device"
                 if getattr(e, "errno", None) == errno.ENOSPC
@@ -723,7 +693,7 @@ class Trainer:
                 free = ""
             kept = [c.name for c in checkpoints(self.out)]
             raise CheckpointError(
-                f"cannot write checkpoint {d} ({why}{free}); removed the partial {tmp.name}; "
+                f"cannot write checkpoint {d} ({why}{free}); removed the partial {d.name}.tmp; "
                 + (
                     f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)"
                     if kept
@@ -970,8 +940,8 @@ def main(cfg: TrainConfig):
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
         raise SystemExit(f"error: {e}") from None
     finally:
-        if trainer is not None and isinstance(trainer.target, VllmTarget):
-            trainer.target.close()  # the engine process
+        if trainer is not None and hasattr(trainer.target, "close"):  # --backend vllm: the engine process
+            trainer.target.close()
         destroy()
     return res
 
