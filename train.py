@@ -142,8 +142,8 @@ class TrainConfig:
     """several conversations per row of --max-len (data/packing.py; document boundaries kept everywhere, --batch-size
     still counts conversations): auto = on where the family and target backend keep documents apart (eagle3, incl.
     EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
-    offline), off where they cannot (--compile, lse on GPU, other HF attention) | on = refuse to run there | off = one
-    conversation per row"""
+    offline; with --compile too), off where they cannot (lse on GPU, other HF attention) | on = refuse to run
+    there | off = one conversation per row"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
@@ -252,8 +252,6 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
             f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
             f"(families that pack: {packing})"
         )
-    if cfg.compile:
-        return "--compile with packed rows is untested (the compiled step would build document masks in its graph)"
     if kind == "cuda" and cfg.attention == "lse":
         return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
     if attn_impl is not None and attn_impl not in PACKABLE_ATTENTION:

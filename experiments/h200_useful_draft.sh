@@ -16,7 +16,7 @@
 #   ... h200_useful_draft.sh train2   # same recipe on each file, one per GPU; export; tau on GPU
 # Everything worth keeping is written to $OUT (files over 15 MB in parts: `cat X.part* > X`).
 set -uo pipefail
-PHASE=${1:?usage: h200_useful_draft.sh regen|train}
+PHASE=${1:?usage: h200_useful_draft.sh stage|regen|train|regen2|train2|train1}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/useful  # survives between back-to-back calls
 LIMIT=${LIMIT:-560}  # seconds of this call's work (the call itself may run 600)
@@ -110,6 +110,43 @@ case $PHASE in
     done
     wait "${jobs[@]}"
     grep -h "eval @" $OUT/train0.log | tail -3; grep -h "eval @" $OUT/train1.log | tail -3; tail -3 $OUT/eval0.log $OUT/eval1.log ;;
+  train1)  # one GPU: the recipe on the whole v3 replies (run a) and on their loop-cut copy (run b), both at once
+    # deloop.jsonl.gz is rebuilt here from the committed regen.jsonl.gz (it does not fit a call beside the
+    # repo and a model quarter): finalize on NPROC slices at once, the gzip members concatenated in order
+    N=${NPROC:-12}; mkdir -p $W/dl
+    python3 -c "
+import gzip, sys
+lines = gzip.open('data/sharegpt_smollm2_greedy/regen.jsonl.gz', 'rt', encoding='utf-8').readlines()
+n = -(-len(lines) // $N)
+for i in range($N):
+    open(f'$W/dl/in{i}.jsonl', 'w', encoding='utf-8').writelines(lines[i * n : (i + 1) * n])"
+    jobs=()
+    for ((i = 0; i < N; i++)); do
+      python3 experiments/regen_sharegpt.py finalize --target $T --out $W/dl/o$i --inputs $W/dl/in$i.jsonl \
+        > $W/dl/f$i.log 2>&1 &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    : > $W/deloop.jsonl.gz
+    for ((i = 0; i < N; i++)); do cat $W/dl/o$i/deloop.jsonl.gz >> $W/deloop.jsonl.gz; done
+    cat $W/dl/f*.log > $OUT/finalize.log; echo "deloop built at ${SECONDS}s"
+    jobs=()
+    for v in a b; do
+      D=data/sharegpt_smollm2_greedy/regen.jsonl.gz; X="--pad-to-max-len"
+      [[ $v == b ]] && { D=$W/deloop.jsonl.gz; X=${PACK_B:---pad-to-max-len}; }
+      (timeout $(($(left) - ${EXPORT_S:-60})) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
+         --max-len 1024 $X --compile --batch-size 32 --steps ${STEPS:-2200} --lr 3e-3 \
+         --eval-every ${EVAL_EVERY:-550} --ckpt-every ${EVAL_EVERY:-550} --out $W/run_$v ${TRAIN_ARGS:-} > $OUT/train_$v.log 2>&1
+       python3 export.py $W/run_$v > $W/export_$v.log 2>&1) &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    mkdir -p $W/pack
+    for v in a b; do
+      mkdir -p $W/pack/$v && cp -r $W/run_$v/export-vllm $W/run_$v/run.json $W/run_$v/metrics.jsonl $W/export_$v.log $W/pack/$v/
+    done
+    (cd $W/pack && tar czf $OUT/train1.tgz a b) && parts $OUT/train1.tgz
+    grep -h "eval @" $OUT/train_a.log | tail -2; grep -h "eval @" $OUT/train_b.log | tail -2 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null

@@ -253,3 +253,15 @@ def test_reply_stats(tmp_path):
     s = data_regen.reply_stats(f)
     assert s["replies"] == 2 and s["replies_over_0.2_repeated"] == 0.5 and s["words_mean"] == 65.0
     assert 0.4 < s["repeated_4gram_share_mean"] < 0.5  # (~0.85 + 0) / 2
+
+
+def test_train_throughput_rows():
+    """experiments/train_throughput.py --smoke: train.py packed on the packaged chats, one row with the fields
+    the throughput table needs, taken from the run's own metrics (after the warm-up steps)."""
+    out = Path("/tmp/train_throughput_smoke.jsonl")
+    run(["experiments/train_throughput.py", "--smoke"])
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    for k in ("model", "path", "seq", "batch", "padded_tokens_per_s", "packing_efficiency", "command", "date"):
+        assert k in row, k
+    assert row["path"] == "train.py" and row["seq"] == 256 and "--pack on" in row["command"]
+    assert row["padded_tokens_per_s"] >= row["real_tokens_per_s"] > 0 and 0.5 < row["packing_efficiency"] <= 1

@@ -263,7 +263,8 @@ def test_peagle_packed_equals_one_conversation_per_row():
 
 
 # ------------------------------------------------------------ every family through its strategy (what train.py runs)
-def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
+def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu"), module=None):
+    """module: what runs the step (train.py's draft_step, torch.compile(draft) under --compile); default the draft."""
     from models.families import FAMILIES
 
     s = FAMILIES[name]
@@ -273,7 +274,7 @@ def _strategy_step(name, cfg, target, draft, b, device=torch.device("cpu")):
     batch = s.make_batch(feats, b, target, draft)
     counts = s.counts(batch, draft, cfg)
     draft.zero_grad()
-    loss, stats = s.step(draft, batch, counts, cfg, b, 0.6)
+    loss, stats = s.step(draft if module is None else module, batch, counts, cfg, b, 0.6)
     loss.backward()
     return loss.detach(), stats, counts, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
@@ -304,7 +305,26 @@ def test_every_family_packed_equals_one_conversation_per_row_cuda(strategy, obje
     _family_packed_vs_rows(strategy, objective, "flex", torch.device("cuda"), 1e-3)
 
 
-def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
+@pytest.mark.parametrize("strategy,objective", [("eagle3", "kl"), ("dflash", "ce")])
+def test_compiled_packed_step_equals_eager_rows(strategy, objective):
+    """train.py --compile --pack: the step compiled as a unit builds its document masks in the graph and gives
+    the eager one-conversation-per-row numbers (CPU inductor; eagle3 on lse, dflash dense)."""
+    torch._dynamo.reset()
+    _family_packed_vs_rows(
+        strategy, objective, "lse" if strategy == "eagle3" else "eager", torch.device("cpu"), 1e-4, True
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy,objective", OBJECTIVES)
+def test_compiled_packed_step_equals_eager_rows_cuda(strategy, objective):
+    """The same through compiled flex (the document block masks built inside the compiled step), fp32."""
+    torch._dynamo.reset()
+    _family_packed_vs_rows(strategy, objective, "flex", torch.device("cuda"), 1e-3, True)
+
+
+def _family_packed_vs_rows(strategy, objective, attention, device, rtol, compiled=False):
     from types import SimpleNamespace
 
     from models.families import FAMILIES
@@ -331,7 +351,7 @@ def _family_packed_vs_rows(strategy, objective, attention, device, rtol):
     assert FAMILIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
     target, draft = target.to(device), draft.to(device)
     a = _strategy_step(strategy, cfg, target, draft, collate(ex), device)
-    b = _strategy_step(strategy, cfg, target, draft, packed, device)
+    b = _strategy_step(strategy, cfg, target, draft, packed, device, torch.compile(draft) if compiled else None)
     assert (a[2][:, 0] > 0).all() and torch.equal(a[2], b[2])  # every drafted position trains, the same rows
     torch.testing.assert_close(b[0], a[0], rtol=rtol / 10, atol=1e-6)
     torch.testing.assert_close(b[1]["loss_sum"], a[1]["loss_sum"], rtol=rtol / 10, atol=1e-5)
@@ -397,13 +417,6 @@ def test_what_cannot_pack_is_named():
     cases = [
         (ok, dataclasses.replace(FAMILIES["eagle3"], packs=False), "cpu", None, "does not keep packed documents apart"),
         (
-            dataclasses.replace(ok, compile=True),
-            FAMILIES["eagle3"],
-            "cpu",
-            None,
-            "--compile with packed rows is untested",
-        ),
-        (
             dataclasses.replace(ok, attention="lse"),
             FAMILIES["eagle3"],
             "cuda",
@@ -415,6 +428,8 @@ def test_what_cannot_pack_is_named():
     for cfg, strategy, kind, attn, message in cases:
         assert message in packing_blocker(cfg, strategy, kind, attn)
     assert packing_blocker(dataclasses.replace(ok, attention="flex"), FAMILIES["eagle3"], "cuda", "eager") is None
+    # the compiled step builds its document masks in the graph (test_compiled_packed_step_equals_eager_rows)
+    assert packing_blocker(dataclasses.replace(ok, compile=True), FAMILIES["eagle3"], "cuda", None) is None
 
 
 def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):

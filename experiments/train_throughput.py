@@ -1,0 +1,191 @@
+"""What a user gets from train.py against what the harness measures, back to back on one GPU.
+
+For a random-weight preset target (models/fast_target.py PRESETS) it runs, in this order and on the
+same machine: `experiments/throughput.py` (the compiled backend at --harness-batch full rows of
+--max-len, every token real) and then train.py on the packaged chats (--backend compiled --compile
+--pack on, --batch-size conversations per step packed into rows of --max-len). For a real target
+directory (e.g. SmolLM2) only train.py runs. One JSON line per measurement is appended to --out with
+model, path (harness | train.py), seq, batch, real_tokens_per_s, padded_tokens_per_s,
+packing_efficiency, peak_gib, command, date, plus versions and the train.py/harness ratio.
+
+train.py's throughput is the median over its log windows after --skip-windows (its own metrics.jsonl:
+real tokens of the conversations, and row tokens padding included; warm-up and compile steps are
+outside the windows, runlog.Throughput), so recompiles for a new packed row count stay out too.
+
+    python experiments/train_throughput.py --target llama-3.1-8b --tokenizer /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+    python experiments/train_throughput.py --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --max-len 2048 \\
+        --batch-size 128 --draft-vocab-size 8192
+    python experiments/train_throughput.py --smoke      # CPU, tiny random target: checks the script
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclasses.dataclass
+class Args:
+    target: str = "llama-3.1-8b"
+    """a preset of models/fast_target.py PRESETS (random weights, written to --work first) or a target dir/.gguf"""
+    tokenizer: str = "smollm2"
+    """presets: the tokenizer copied into the random target (tools/random_target.py)"""
+    data: str = "sharegpt-greedy"
+    num_records: int = 4000
+    max_len: int = 4096
+    batch_size: int = 32
+    """train.py: conversations per step (packed into rows of --max-len)"""
+    harness_batch: int = 8
+    """throughput.py: full rows per step"""
+    ttt_length: int = 7
+    draft_vocab_size: int = 32000
+    mask_density: float = 0.754
+    """throughput.py's loss-mask share (its default: the packaged chats' assistant share)"""
+    steps: int = 40
+    log_every: int = 5
+    skip_windows: int = 2
+    """train.py log windows left out of the median (a recompile for a new packed row count lands there)"""
+    harness: bool = True
+    extra: tuple[str, ...] = ()
+    """more train.py flags"""
+    work: Path = Path("/tmp/train_throughput")
+    out: Path = ROOT / "experiments/results/train_throughput_h200.jsonl"
+    smoke: bool = False
+    """CPU: a tiny random target, 6 steps, no harness, rows to /tmp"""
+
+
+def run(cmd: list[str], log: Path) -> None:
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if p.returncode:
+        raise SystemExit(f"{cmd[1]} failed ({p.returncode}); last lines of {log}:\n" + log.read_text()[-3000:])
+
+
+def env() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    from runlog import git_commit
+
+    out = {"torch": torch.__version__, "git_commit": git_commit(), "date": datetime.date.today().isoformat()}
+    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for pkg in ("triton", "transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def harness_row(a: Args, log: Path) -> dict:
+    rows = a.work / "harness.jsonl"
+    rows.unlink(missing_ok=True)
+    cmd = [sys.executable, "experiments/throughput.py", "--target", a.target, "--backends", "compiled"]
+    cmd += ["--batch-size", str(a.harness_batch), "--no-search", "--no-attn-bench", "--max-len", str(a.max_len)]
+    cmd += ["--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size)]
+    cmd += ["--mask-density", str(a.mask_density), "--out", str(rows), "--figure", str(a.work / "harness.png")]
+    t = time.time()
+    run(cmd, log)
+    r = next(r for r in map(json.loads, rows.read_text().splitlines()) if r.get("backend") == "compiled")
+    return {
+        "path": "harness",
+        "batch": a.harness_batch,
+        "real_tokens_per_s": r["tokens_per_s"],
+        "padded_tokens_per_s": r["tokens_per_s"],
+        "packing_efficiency": 1.0,
+        "peak_gib": r.get("peak_gib"),
+        "step_s": r["step_s"],
+        "mask_density": a.mask_density,
+        "wall_s": time.time() - t,
+        "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
+    }
+
+
+def train_row(a: Args, target: str, log: Path) -> dict:
+    out = a.work / "run"
+    cmd = [sys.executable, "train.py", "--target", target, "--data", a.data, "--num-records", str(a.num_records)]
+    cmd += ["--max-len", str(a.max_len), "--batch-size", str(a.batch_size), "--steps", str(a.steps)]
+    cmd += ["--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size), "--holdout", "8"]
+    cmd += ["--log-every", str(a.log_every), "--pack", "on", "--out", str(out), "--overwrite"]
+    if not a.smoke:
+        cmd += ["--backend", "compiled", "--compile"]
+    cmd += list(a.extra)
+    t = time.time()
+    run(cmd, log)
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "real_tokens_per_s" in r]
+    kept = rows[a.skip_windows :] or rows
+    meta = json.loads((out / "run.json").read_text())
+    pk = meta["results"]["packing"]
+    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
+    return {
+        "path": "train.py",
+        "batch": a.batch_size,
+        "batch_unit": "conversations per step, packed",
+        "rows_per_step": pk["row_tokens"] / pk["row_len"] / a.steps,
+        "real_tokens_per_s": statistics.median(r["real_tokens_per_s"] for r in kept),
+        "padded_tokens_per_s": statistics.median(r["row_tokens_per_s"] for r in kept),
+        "packing_efficiency": pk["efficiency"],
+        "peak_gib": peak / 2**30 if peak else None,
+        "step_s": statistics.median(r["step_seconds"] for r in kept),
+        "mfu": statistics.median(r["mfu"] for r in kept) if all("mfu" in r for r in kept) else None,
+        "windows": len(kept),
+        "data": a.data,
+        "wall_s": time.time() - t,
+        "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
+    }
+
+
+def main(a: Args):
+    from models.fast_target import PRESETS
+
+    if a.smoke:
+        a.target, a.max_len, a.steps, a.log_every, a.skip_windows, a.harness = "tiny", 256, 6, 2, 0, False
+        a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length = 4, 64, 40, 2
+        a.out, a.work = Path("/tmp/train_throughput_smoke.jsonl"), Path("/tmp/train_throughput_smoke")
+        a.out.unlink(missing_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    common = {"model": a.target, "seq": a.max_len, "ttt": a.ttt_length, **env()}
+    target = a.target
+    if a.smoke:
+        from models.target import load_tokenizer, resolve_target
+        from tests.tiny import tiny_llama
+
+        tok, target = load_tokenizer(resolve_target("smollm2")), str(a.work / "tiny")
+        tiny_llama(vocab=len(tok), hidden=64, layers=4, heads=4, kv_heads=2).save_pretrained(target)
+        tok.save_pretrained(target)
+    elif a.target in PRESETS:  # a random-weight directory of the preset (~1 min for 16 GB)
+        target = str(a.work / a.target)
+        if not (Path(target) / "config.json").exists():
+            cmd = [sys.executable, "tools/random_target.py", a.target, target, "--tokenizer", a.tokenizer]
+            run(cmd, a.work / "random_target.log")
+    else:
+        common["model"] = Path(a.target).name
+    rows = []
+    if a.harness and a.target in PRESETS:
+        rows.append(harness_row(a, a.work / "harness.log"))
+    rows.append(train_row(a, target, a.work / "train.log"))
+    if len(rows) == 2:
+        rows[1]["vs_harness"] = rows[1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "a") as f:
+        for r in rows:
+            r = {**common, **r}
+            print(json.dumps(r), flush=True)
+            f.write(json.dumps(r) + "\n")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
