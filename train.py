@@ -27,7 +27,15 @@ import tyro
 
 from config import DeployConfig, cli
 from data.chat import DataError
-from data.datasets import DEFAULT_DATA, GlobalBatches, build_examples, collate, load_records, split_holdout
+from data.datasets import (
+    DEFAULT_DATA,
+    GlobalBatches,
+    build_examples,
+    collate,
+    load_records,
+    split_holdout,
+    tokenize_workers,
+)
 from data.feature_store import batch_features, open_for_training
 from data.packing import pack, pad_rows
 from data.prefetch import Prefetcher
@@ -142,8 +150,8 @@ class TrainConfig:
     """several conversations per row of --max-len (data/packing.py; document boundaries kept everywhere, --batch-size
     still counts conversations): auto = on where the family and target backend keep documents apart (eagle3, incl.
     EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
-    offline; with --compile too), off where they cannot (lse on GPU, other HF attention) | on = refuse to run
-    there | off = one conversation per row"""
+    offline; --compile on CPU), off where they cannot (--compile or lse on GPU, other HF attention) | on = refuse
+    to run there | off = one conversation per row"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
@@ -251,6 +259,12 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
         return (
             f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
             f"(families that pack: {packing})"
+        )
+    if cfg.compile and kind == "cuda":  # correct on CPU inductor (tests/test_packing.py); on the H200 it stalls
+        return (
+            "--compile with packed rows on a GPU did not get through its first step in 5 minutes on the H200 "
+            "(SmolLM2, 2026-12-01: the compiled step building document block masks per batch); "
+            "--compile runs one conversation per row there"
         )
     if kind == "cuda" and cfg.attention == "lse":
         return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
@@ -481,8 +495,11 @@ class Trainer:
             stats.update(self.store.schema["data"]["stats"])
         else:
             records = load_records(cfg.data, cfg.num_records or None)
+            parallel = tokenize_workers(len(records)) > 1  # a pool of processes: no per-record bar
             examples, n_records = (
-                build_examples(self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats),
+                build_examples(
+                    records if parallel else self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats
+                ),
                 len(records),
             )
         try:

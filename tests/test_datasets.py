@@ -165,3 +165,25 @@ def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
             for t in turns
         ]
         assert len(unseen) == 10 and not [k for k in unseen if k in blob], name
+
+
+def test_parallel_tokenization_equals_serial(smollm2_tokenizer):
+    """build_examples over a pool of processes: the same examples in the same order and the same counts;
+    a bad record is reported by its index in the whole list, the first bad one in record order."""
+    from collections import Counter
+
+    from data.datasets import tokenize_workers
+
+    recs = load_records("sharegpt-greedy", 240)
+    s1, s3 = Counter(), Counter()
+    serial, parallel = (
+        build_examples(recs, smollm2_tokenizer, 256, s1, workers=1),
+        build_examples(recs, smollm2_tokenizer, 256, s3, workers=3),
+    )
+    assert len(serial) > 200 and s1["truncated"] > 0
+    assert [(e.input_ids, e.loss_mask) for e in serial] == [(e.input_ids, e.loss_mask) for e in parallel]
+    assert s1 == s3
+    bad = [*recs[:150], {"text": "no messages"}, *recs[150:170], {"oops": 1}]
+    with pytest.raises(DataError, match="record 150 "):
+        build_examples(bad, smollm2_tokenizer, 256, workers=3)
+    assert tokenize_workers(100) == 1 and tokenize_workers(10**6) <= 16

@@ -10,6 +10,7 @@ from data.prefetch import Prefetcher
 from models.eagle3 import local_counts, select_rows
 from tests.test_eagle3_ttt import setup
 from tests.test_train_e2e import run_train, train_rows
+from tests.tiny import to_device
 
 
 def loss_and_grads(draft, batch, ttt, attention, loss, rows=None, step=None):
@@ -114,7 +115,7 @@ def test_cuda_compiled_step_equals_eager():
     draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
     draft = draft.cuda()
     rows = select_rows(batch.loss_mask, ttt).cuda()
-    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
+    batch = to_device(batch)  # its doc_ids / position_ids are None (unpacked)
     ref = loss_and_grads(draft, batch, ttt, "flex", "triton")
     got = loss_and_grads(draft, batch, ttt, "flex", "triton", rows, torch.compile(draft))
     (ta, sa, ga), (tb, sb, gb) = got, ref

@@ -6,7 +6,7 @@ import torch
 
 from data.vocab import build_vocab_mapping, count_tokens
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch
-from tests.tiny import tiny_target_batch
+from tests.tiny import tiny_target_batch, to_device
 
 
 def setup(seed=0, draft_vocab=40, ttt=4, **model_kw):
@@ -102,7 +102,7 @@ def test_every_path_matches_reference(attention, loss):
 def test_every_path_matches_reference_cuda(attention, loss):
     draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
     draft = draft.cuda()
-    batch = type(batch)(**{k: v.cuda() for k, v in vars(batch).items()})
+    batch = to_device(batch)  # its doc_ids / position_ids are None (unpacked)
     ref_total, ref_stats, ref_grads = _loss_and_grads(draft, batch, ttt, "eager", "torch")
     total, stats, grads = _loss_and_grads(draft, batch, ttt, attention, loss)
     torch.testing.assert_close(total, ref_total, rtol=1e-4, atol=1e-5)

@@ -3,23 +3,12 @@
 (`pytest -m cuda tests/test_families_cuda.py` through the device tool). fp32, tiny random target;
 the batches are built on the CPU exactly as the CPU tests build them, then moved."""
 
-import dataclasses
-
 import pytest
 import torch
 
+from tests.tiny import to_device
+
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
-
-
-def to_cuda(batch):
-    return dataclasses.replace(
-        batch,
-        **{
-            f.name: getattr(batch, f.name).cuda()
-            for f in dataclasses.fields(batch)
-            if torch.is_tensor(getattr(batch, f.name))
-        },
-    )
 
 
 def loss_and_grads(draft, run):
@@ -44,7 +33,7 @@ def test_dflash_flex_gradients_equal_dense(objective):
     from tests.test_dflash import setup
 
     draft, batch, *_ = setup(seed=3, K=3, hidden=64, heads=4, n_examples=4, max_len=150)
-    draft, batch = draft.cuda(), to_cuda(batch)
+    draft, batch = draft.cuda(), to_device(batch)
     counts = block_counts(batch)
     runs = [
         loss_and_grads(draft, lambda a=a: draft(batch, counts, objective=objective, attention=a))
@@ -58,7 +47,7 @@ def test_peagle_flex_gradients_equal_dense():
     from tests.test_peagle import setup
 
     draft, batch, *_ = setup(seed=3, K=4, hidden=64, heads=4, max_len=150)
-    draft, batch = draft.cuda(), to_cuda(batch)
+    draft, batch = draft.cuda(), to_device(batch)
     counts = peagle_counts(batch, draft.K)
     runs = [loss_and_grads(draft, lambda a=a: draft(batch, counts, attention=a)) for a in ("dense", "flex")]
     assert_same(*runs)

@@ -44,6 +44,21 @@ def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):
     return hf, target, examples, collate(examples)
 
 
+def to_device(batch, device="cuda"):
+    """A batch dataclass (Eagle3Batch, PEagleBatch, ...) with its tensors on `device`; fields that are
+    None (doc_ids / position_ids of unpacked rows) stay None."""
+    import dataclasses
+
+    return dataclasses.replace(
+        batch,
+        **{
+            f.name: getattr(batch, f.name).to(device)
+            for f in dataclasses.fields(batch)
+            if torch.is_tensor(getattr(batch, f.name))
+        },
+    )
+
+
 def random_examples(n, vocab, min_len=5, max_len=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
