@@ -51,12 +51,12 @@ case $PHASE in
     cp $W/regen_out/regen.jsonl.gz $OUT/ && parts $OUT/regen.jsonl.gz
     tail -3 $OUT/regen_run.log ;;
   train)
-    D=${DATA:-$W/regen/regen.jsonl}
-    [[ -f $D ]] || { echo "no regenerated data at $D: run the regen phase first (same warm machine)"; exit 1; }
+    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.gz}  # the committed v3 set
+    [[ -f $D ]] || { echo "no data at $D"; exit 1; }
     R=${RUN:-$W/run}
     timeout $(($(left) - 40)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
       --max-len ${MAX_LEN:-1024} --pad-to-max-len --compile --batch-size ${BATCH:-32} --steps ${STEPS:-2000} \
-      --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R ${TRAIN_ARGS:-} \
+      --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R --overwrite ${TRAIN_ARGS:-} \
       > $OUT/train.log 2>&1
     echo "train exit $?"
     python3 export.py $R > $OUT/export.log 2>&1  # the latest checkpoint, bf16, vLLM ids
@@ -136,7 +136,8 @@ for i in range($N):
       [[ $v == b ]] && { D=$W/deloop.jsonl.gz; X=${PACK_B:---pad-to-max-len}; }
       (timeout $(($(left) - ${EXPORT_S:-60})) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
          --max-len 1024 $X --compile --batch-size 32 --steps ${STEPS:-2200} --lr 3e-3 \
-         --eval-every ${EVAL_EVERY:-550} --ckpt-every ${EVAL_EVERY:-550} --out $W/run_$v ${TRAIN_ARGS:-} > $OUT/train_$v.log 2>&1
+         --eval-every ${EVAL_EVERY:-550} --ckpt-every ${EVAL_EVERY:-550} --out $W/run_$v --overwrite ${TRAIN_ARGS:-} \
+         > $OUT/train_$v.log 2>&1
        python3 export.py $W/run_$v > $W/export_$v.log 2>&1) &
       jobs+=($!)
     done
