@@ -2,8 +2,8 @@
 
 For a random-weight preset target (models/fast_target.py PRESETS) it runs, in this order and on the
 same machine: `experiments/throughput.py` (the compiled backend at --harness-batch full rows of
---max-len, every token real) and then train.py on the packaged chats (--backend compiled --compile
---pack on, --batch-size conversations per step packed into rows of --max-len). For a real target
+--max-len, every token real) and then train.py on the packaged chats (--backend compiled --modes:
+packed rows with the eager draft step, and/or one conversation per row with the compiled step). For a real target
 directory (e.g. SmolLM2) only train.py runs. One JSON line per measurement is appended to --out with
 model, path (harness | train.py), seq, batch, real_tokens_per_s, padded_tokens_per_s,
 packing_efficiency, peak_gib, command, date, plus versions and the train.py/harness ratio.
@@ -56,6 +56,9 @@ class Args:
     skip_windows: int = 2
     """train.py log windows left out of the median (a recompile for a new packed row count lands there)"""
     harness: bool = True
+    modes: tuple[str, ...] = ("pack", "compile")
+    """train.py runs, one row each: pack = --pack on (eager draft step), compile = --compile --pack off (one
+    conversation per row, padded to --max-len), pack-compile = both (refused on a GPU today: packing_blocker)"""
     extra: tuple[str, ...] = ()
     """more train.py flags"""
     work: Path = Path("/tmp/train_throughput")
@@ -113,14 +116,21 @@ def harness_row(a: Args, log: Path) -> dict:
     }
 
 
-def train_row(a: Args, target: str, log: Path) -> dict:
-    out = a.work / "run"
+MODES = {
+    "pack": ["--pack", "on"],
+    "compile": ["--compile", "--pack", "off"],
+    "pack-compile": ["--compile", "--pack", "on"],
+}
+
+
+def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
+    out = a.work / f"run_{mode}"
     cmd = [sys.executable, "train.py", "--target", target, "--data", a.data, "--num-records", str(a.num_records)]
     cmd += ["--max-len", str(a.max_len), "--batch-size", str(a.batch_size), "--steps", str(a.steps)]
     cmd += ["--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size), "--holdout", "8"]
-    cmd += ["--log-every", str(a.log_every), "--pack", "on", "--out", str(out), "--overwrite"]
+    cmd += ["--log-every", str(a.log_every), "--out", str(out), "--overwrite", *MODES[mode]]
     if not a.smoke:
-        cmd += ["--backend", "compiled", "--compile"]
+        cmd += ["--backend", "compiled"]
     cmd += list(a.extra)
     t = time.time()
     run(cmd, log)
@@ -131,8 +141,9 @@ def train_row(a: Args, target: str, log: Path) -> dict:
     peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
     return {
         "path": "train.py",
+        "mode": mode,
         "batch": a.batch_size,
-        "batch_unit": "conversations per step, packed",
+        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
         "rows_per_step": pk["row_tokens"] / pk["row_len"] / a.steps,
         "real_tokens_per_s": statistics.median(r["real_tokens_per_s"] for r in kept),
         "padded_tokens_per_s": statistics.median(r["row_tokens_per_s"] for r in kept),
@@ -152,7 +163,7 @@ def main(a: Args):
 
     if a.smoke:
         a.target, a.max_len, a.steps, a.log_every, a.skip_windows, a.harness = "tiny", 256, 6, 2, 0, False
-        a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length = 4, 64, 40, 2
+        a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length, a.modes = 4, 64, 40, 2, ("pack",)
         a.out, a.work = Path("/tmp/train_throughput_smoke.jsonl"), Path("/tmp/train_throughput_smoke")
         a.out.unlink(missing_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -175,9 +186,10 @@ def main(a: Args):
     rows = []
     if a.harness and a.target in PRESETS:
         rows.append(harness_row(a, a.work / "harness.log"))
-    rows.append(train_row(a, target, a.work / "train.log"))
-    if len(rows) == 2:
-        rows[1]["vs_harness"] = rows[1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+    for mode in a.modes:
+        rows.append(train_row(a, target, mode, a.work / f"train_{mode}.log"))
+        if rows[0]["path"] == "harness":
+            rows[-1]["vs_harness"] = rows[-1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "a") as f:
         for r in rows:
