@@ -1,0 +1,401 @@
+"""speculators' own offline EAGLE-3 trainer (vLLM's, the `speculators` package) against train.py --features,
+back to back on one machine, on the same examples and the same target hidden states.
+
+Steps (each skipped when its output is already in --work, so a rerun after a timeout continues):
+1. the verifier: a random-weight preset directory (tools/random_target.py; --smoke: the preset 64 wide);
+2. our FeatureStore: `capture.py features` on --data / --num-records / --max-len (aux layers + final hidden);
+3. their offline data dir, converted from that store (nothing recomputed): a `datasets` dir saved with
+   save_to_disk (columns input_ids, loss_mask, seq_len; torch format), hidden_states/hs_{i}.safetensors
+   (token_ids [T] int64, hidden_states [T, n_aux + 1, H]: the aux layers, then the final hidden state) and
+   token_freq.pt (counts of the loss-masked ids; their trainer derives d2t/t2d-<V>.npy from it);
+4. their trainer (`speculators.train.cli.main`, in a subprocess through the small wrapper SPEC_WRAPPER
+   below, which records their per-step metric dicts as JSON lines and the peak GPU memory), AdamW, full
+   attention in the draft layer, TTT --ttt-length, one packed row of --max-len tokens per step;
+5. train.py --features (packed rows, --batch-size conversations per step; 0 = as many as give their mean
+   real tokens per step).
+One JSON line per trainer is appended to --out: trainer, model, seq, tokens_per_step, real_tokens_per_s,
+peak_gib, steps, command, versions, date.
+
+Throughput is the median over windows of --log-every steps after --skip-windows (train.py: its own
+metrics.jsonl windows; theirs: their per-step `profile` (step_ms from the end of the previous step, GPU
+synchronized, data fetch included; tokens = positions with a document id, i.e. T - 1 per conversation
+after their shift) summed over the same windows). Peak memory: torch.cuda.max_memory_allocated over the
+whole run for both (ours from run.json, theirs printed by the wrapper).
+
+Differences that stay: their final hidden state is read before the final norm (vLLM's) and normed again
+by their trainer; ours stores it normed, so their norm runs twice (RMSNorm with the random target's unit
+weight is idempotent up to eps: the timing does not depend on the values). Their forward is
+torch.compile'd on a GPU (their default); train.py's packed step is eager (packed + --compile is refused
+on a GPU today). They validate and save a checkpoint (model + optimizer) after the steps; train.py
+evaluates 8 held-out conversations at start and end: all outside the timed windows.
+
+    bash tools/speculators_wheels.sh          # CPU machine: speculators + deps as py3.12 wheels in .whl-spec/
+    python experiments/speculators_anchor.py --tokenizer .whl-spec/tokenizer          # GPU
+    python experiments/speculators_anchor.py --smoke   # CPU, the preset 64 wide: both trainers run 6 steps
+
+--smoke runs their trainer on the CPU with one substitution: their Trainer moves the model and batches to
+the accelerator index 0 and synchronizes the accelerator for its step timer, neither of which exists on a
+CPU, so the wrapper makes that index "cpu" and the synchronize a no-op (and the hidden states fp32, eager
+loss, sdpa attention: their fused loss is Triton, their bf16 needs autocast). Nothing is patched on a GPU.
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclasses.dataclass
+class Args:
+    preset: str = "llama-3.1-8b"
+    """the verifier: a models/fast_target.py preset, written with random weights to --work (or a target dir)"""
+    tokenizer: str = "smollm2"
+    """the tokenizer copied into the random verifier (tools/random_target.py --tokenizer: dir, .gguf, smollm2)"""
+    data: str = "sharegpt-greedy"
+    num_records: int = 500
+    """conversations tokenized (mean ~390 tokens at --max-len 4096: 500 give ~46 of their steps)"""
+    max_len: int = 4096
+    ttt_length: int = 7
+    draft_vocab_size: int = 32000
+    steps: int = 30
+    log_every: int = 5
+    skip_windows: int = 2
+    """windows left out of the median (compile, autotune, first shapes)"""
+    batch_size: int = 0
+    """train.py conversations per step (0 = their mean real tokens per step / our mean conversation length)"""
+    lr: float = 3e-4
+    num_workers: int = 4
+    """their DataLoader workers"""
+    trainers: tuple[str, ...] = ("speculators", "nanospec")
+    their_extra: tuple[str, ...] = ()
+    """more flags for their trainer, split at spaces (e.g. --their-extra="--loss-implementation eager")"""
+    our_extra: tuple[str, ...] = ()
+    """more train.py flags, split at spaces (--our-extra="--attention flex_buf")"""
+    spec_wheels: Path = ROOT / ".whl-spec"
+    """wheels installed (--no-deps) into --work/site-spec when `speculators` is not importable"""
+    work: Path = Path("/tmp/speculators_anchor")
+    out: Path = ROOT / "experiments/results/speculators_anchor_h200.jsonl"
+    smoke: bool = False
+    """CPU: the preset's shape 64 wide (8 layers), 6 steps of each trainer, rows to /tmp"""
+
+
+# Runs their trainer: argv = [rows.jsonl, their flags...]. Their metric records are dicts logged to
+# "speculators.metrics" (propagating to root); a root handler installed first keeps them (their setup's
+# logging.basicConfig then adds no console handler of its own; dictConfig leaves root alone).
+SPEC_WRAPPER = r"""
+import json, logging, sys, time
+import torch
+rows = open(sys.argv[1], "a")
+class Rows(logging.Handler):
+    def emit(self, r):
+        if isinstance(r.msg, dict) and r.msg.get("profile"):
+            rows.write(json.dumps({"time": time.time(), **r.msg}, default=str) + "\n")
+            rows.flush()
+text = logging.StreamHandler(sys.stdout)
+text.setFormatter(logging.Formatter("[speculators] %(message)s"))
+logging.basicConfig(level=logging.INFO, handlers=[Rows(), text])
+if not torch.cuda.is_available():  # --smoke: their Trainer uses accelerator index 0 and synchronizes it
+    import speculators.train.trainer as trainer
+    trainer.get_local_rank = lambda: "cpu"
+    torch.accelerator.synchronize = lambda *args, **kw: None
+from speculators.train.cli import main
+from speculators.train.config import TrainConfig
+main(TrainConfig.resolve(sys.argv[2:]))
+peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+print("SPECULATORS_PEAK " + json.dumps({"max_allocated_bytes": peak}), flush=True)
+"""
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    print("+", " ".join(cmd if cmd[1] != "-c" else [cmd[0], "-c", "SPEC_WRAPPER", *cmd[3:]]), flush=True)
+    t = time.time()
+    with open(log, "w") as f:
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    print(f"  ({time.time() - t:.0f} s, log {log})", flush=True)
+    if p.returncode:
+        raise SystemExit(f"{cmd[1]} failed ({p.returncode}); last lines of {log}:\n" + log.read_text()[-4000:])
+
+
+def spec_env(a: Args) -> dict:
+    """The environment their trainer runs in: --work/site-spec first on the path (installed from
+    --spec-wheels when speculators is not importable as it is)."""
+    env = dict(os.environ)
+    site = a.work / "site-spec"
+    probe = [
+        sys.executable,
+        "-c",
+        "import importlib.metadata as m, speculators.train.cli; print(m.version('speculators'))",
+    ]
+
+    def importable(e):
+        return subprocess.run(probe, env=e, capture_output=True, text=True)
+
+    p = importable(env)
+    if p.returncode:
+        wheels = sorted(a.spec_wheels.glob("*.whl"))
+        if not wheels:
+            raise SystemExit(f"speculators is not importable and {a.spec_wheels} has no wheels:\n{p.stderr[-2000:]}")
+        if not site.exists():
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+            subprocess.run([*cmd, "--target", str(site), *map(str, wheels)], check=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+        p = importable(env)
+        if p.returncode:
+            raise SystemExit(f"speculators is not importable even with {site}:\n{p.stderr[-3000:]}")
+    env["SPECULATORS_VERSION"] = p.stdout.strip().splitlines()[-1]
+    return env
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    from runlog import git_commit
+
+    out = {"torch": torch.__version__, "git_commit": git_commit(), "date": datetime.date.today().isoformat()}
+    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    for pkg in ("triton", "transformers", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def make_verifier(a: Args) -> Path:
+    """The random-weight verifier dir (tools/random_target.py); --smoke: the preset's shape shrunk to 64 wide."""
+    from models.fast_target import PRESETS
+
+    if a.preset not in PRESETS:
+        return Path(a.preset)
+    cmd = [sys.executable, "tools/random_target.py", a.preset]
+    out = a.work / a.preset
+    if a.smoke:
+        small = dict(PRESETS[a.preset], hidden_size=64, intermediate_size=128, num_hidden_layers=8)
+        small |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        cmd[-1], out = str(a.work / "tiny.json"), a.work / "tiny"
+        (a.work / "tiny.json").write_text(json.dumps(small))
+    if not (out / "config.json").exists():  # ~1 min for 16 GB on a GPU
+        run([*cmd, str(out), "--tokenizer", a.tokenizer], a.work / "random_target.log")
+    return out
+
+
+def capture(a: Args, verifier: Path) -> Path:
+    """Our FeatureStore (capture.py features), reused when it holds these settings complete."""
+    from data.feature_store import StoreError, open_feature_store
+
+    store = a.work / "store"
+    try:
+        s, _ = open_feature_store(store)
+        d = s.schema["data"]
+        if (d["data"], d["num_records"], d["max_len"]) == (a.data, a.num_records, a.max_len):
+            return store
+        raise StoreError(f"{store} holds other settings ({d['data']}, {d['num_records']}, {d['max_len']})")
+    except StoreError as e:
+        if (store / "store.json").exists():
+            raise SystemExit(f"{e}: delete {store} (and {a.work / 'spec_data'}) first")
+    cmd = [sys.executable, "capture.py", "features", "--target", str(verifier), "--data", a.data]
+    cmd += ["--num-records", str(a.num_records), "--max-len", str(a.max_len), "--out", str(store)]
+    cmd += ["--backend", "compiled"]  # models/fast_target.py (layers compiled on a GPU), reads the safetensors
+    run(cmd, a.work / "capture.log")
+    return store
+
+
+def convert(store_dir: Path, out: Path) -> dict:
+    """Their offline data dir from our store: the same samples in id order, the same hidden states."""
+    import datasets
+    import torch
+    from safetensors.torch import save_file
+
+    from data.feature_store import open_feature_store
+
+    store, examples = open_feature_store(store_dir)
+    sha = store.schema["data"]["tokens_sha"]
+    done = out / "nanospec_source.json"
+    info = {"store": str(store_dir), "tokens_sha": sha, "samples": len(examples)}
+    if done.exists() and json.loads(done.read_text()) == info:
+        return info
+    H = store.schema["fields"]["final_hidden"]["shape"][0]
+    n_aux = len(store.schema["aux_layers"])
+    ds = datasets.Dataset.from_dict(
+        {
+            "input_ids": [e.input_ids for e in examples],
+            "loss_mask": [e.loss_mask for e in examples],
+            "seq_len": [len(e.input_ids) for e in examples],
+        },
+        features=datasets.Features(
+            {
+                "input_ids": datasets.List(datasets.Value("int64")),
+                "loss_mask": datasets.List(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        ),
+    )
+    ds.set_format(type="torch")  # as their preprocessing leaves it
+    ds.save_to_disk(str(out))
+    hs = out / "hidden_states"
+    hs.mkdir(exist_ok=True)
+    freq = Counter()
+    for i, e in enumerate(examples):
+        t = store.read(e.ref, ["aux_hidden", "final_hidden"])
+        T = len(e.input_ids)
+        h = torch.cat([t["aux_hidden"].view(T, n_aux, H), t["final_hidden"].view(T, 1, H)], dim=1)
+        ids = torch.tensor(e.input_ids, dtype=torch.long)
+        save_file({"token_ids": ids, "hidden_states": h.contiguous()}, hs / f"hs_{i}.safetensors")
+        freq.update(tok for tok, m in zip(e.input_ids, e.loss_mask) if m)
+    torch.save(dict(freq), out / "token_freq.pt")
+    done.write_text(json.dumps(info))
+    return info
+
+
+def windows(steps: list[tuple[float, float]], size: int, skip: int) -> list[float]:
+    """(tokens, seconds) per step -> tokens/s of consecutive windows of `size` steps, the first `skip` left out."""
+    out = []
+    for w in range(skip, len(steps) // size):
+        part = steps[w * size : (w + 1) * size]
+        out.append(sum(t for t, _ in part) / sum(s for _, s in part))
+    return out
+
+
+def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]) -> dict:
+    out = a.work / "spec_run"
+    rows = out / "steps.jsonl"
+    rows.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    flags = ["--speculator-type", "eagle3", "--verifier-name-or-path", str(verifier), "--data-path", str(data)]
+    flags += ["--total-seq-len", str(a.max_len), "--ttt-steps", str(a.ttt_length)]
+    flags += ["--draft-vocab-size", str(a.draft_vocab_size), "--num-layers", "1", "--full-attention-indices", "0"]
+    flags += ["--target-layer-ids", *map(str, aux_ids), "--mask-token-id", "0", "--optimizer", "adamw"]
+    flags += ["--lr", str(a.lr), "--epochs", "1", "--max-steps", str(a.steps), "--log-freq", "1", "--seed", "0"]
+    flags += ["--train-data-ratio", "0.95", "--on-missing", "raise", "--no-resume-from-checkpoint"]
+    flags += ["--num-workers", str(a.num_workers), "--save-path", str(out / "ckpt"), "--log-dir", str(out / "logs")]
+    if a.smoke:  # fp32 (no autocast on a CPU), eager loss (theirs is Triton), sdpa
+        flags += ["--hidden-states-dtype", "float32", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa"]
+    flags += [w for x in a.their_extra for w in x.split()]
+    cmd = [sys.executable, "-c", SPEC_WRAPPER, str(rows), *flags]
+    t = time.time()
+    log = a.work / "speculators.log"
+    run(cmd, log, env)
+    steps = [json.loads(line) for line in rows.read_text().splitlines()]
+    per = [(p["tokens_per_s"] * p["step_ms"] / 1000, p["step_ms"] / 1000) for p in (s["profile"] for s in steps)]
+    rates = windows(per, a.log_every, a.skip_windows)
+    peak = next(
+        json.loads(line.split(" ", 1)[1])["max_allocated_bytes"]
+        for line in log.read_text().splitlines()
+        if line.startswith("SPECULATORS_PEAK ")
+    )
+    timed = per[a.skip_windows * a.log_every :]
+    return {
+        "trainer": "speculators",
+        "speculators": env["SPECULATORS_VERSION"],
+        "batch": 1,
+        "batch_unit": f"one packed row of {a.max_len} tokens (their multipack sampler)",
+        "tokens_per_step": statistics.mean(t for t, _ in per),
+        "real_tokens_per_s": statistics.median(rates),
+        "windows": len(rates),
+        "step_s": statistics.median(s for _, s in timed),
+        "peak_gib": peak / 2**30 if peak else None,
+        "steps": len(steps),
+        "wall_s": time.time() - t,
+        "command": " ".join(["python -m speculators.train", *flags]).replace(str(a.work), "WORK"),
+    }
+
+
+def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
+    out = a.work / "nanospec_run"
+    cmd = [sys.executable, "train.py", "--target", str(verifier), "--features", str(store), "--max-len", str(a.max_len)]
+    cmd += ["--pack", "on", "--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size)]
+    cmd += ["--batch-size", str(batch), "--steps", str(a.steps), "--log-every", str(a.log_every), "--lr", str(a.lr)]
+    cmd += ["--holdout", "8", "--out", str(out), "--overwrite", "--no-progress"]
+    cmd += [w for x in a.our_extra for w in x.split()]
+    t = time.time()
+    run(cmd, a.work / "nanospec.log")
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "real_tokens_per_s" in r]
+    kept = rows[a.skip_windows :] or rows
+    meta = json.loads((out / "run.json").read_text())
+    pk = meta["results"]["packing"]
+    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
+    real = [r["real_tokens_per_s"] for r in kept]
+    return {
+        "trainer": "nanospec",
+        "batch": batch,
+        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
+        "rows_per_step": pk["row_tokens"] / pk["row_len"] / a.steps,
+        "tokens_per_step": statistics.median(r["real_tokens_per_s"] * r["step_seconds"] for r in kept),
+        "real_tokens_per_s": statistics.median(real),
+        "windows": len(kept),
+        "step_s": statistics.median(r["step_seconds"] for r in kept),
+        "packing_efficiency": pk["efficiency"],
+        "peak_gib": peak / 2**30 if peak else None,
+        "steps": a.steps,
+        "wall_s": time.time() - t,
+        "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
+    }
+
+
+def main(a: Args):
+    if a.smoke:
+        a.max_len, a.num_records, a.steps, a.log_every, a.skip_windows = 256, 60, 6, 2, 1
+        a.ttt_length, a.draft_vocab_size, a.num_workers = 2, 64, 2
+        a.work, a.out = Path("/tmp/speculators_anchor_smoke"), Path("/tmp/speculators_anchor_smoke.jsonl")
+        a.out.unlink(missing_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
+    env = spec_env(a) if "speculators" in a.trainers else None  # fail here, before minutes of setup
+    verifier = make_verifier(a)
+    store = capture(a, verifier)
+
+    from data.feature_store import open_feature_store
+    from export import engine_aux_ids
+
+    s, examples = open_feature_store(store)
+    lengths = [len(e.input_ids) for e in examples]
+    train_tokens = sum(n - 1 for n in lengths[: int(len(lengths) * 0.95)])
+    if train_tokens < 1.15 * a.steps * a.max_len:  # their packed rows fill to ~97%: one epoch must cover --steps
+        raise SystemExit(
+            f"{train_tokens} training tokens give fewer than {a.steps} rows of {a.max_len}: raise --num-records"
+        )
+    common = {
+        "model": a.preset + (" (64 wide)" if a.smoke else ""),
+        "seq": a.max_len,
+        "ttt": a.ttt_length,
+        **versions(),
+    }
+    common |= {"draft_vocab_size": a.draft_vocab_size, "data": a.data, "samples": len(lengths), "optimizer": "adamw"}
+    rows = []
+    if "speculators" in a.trainers:
+        data = a.work / "spec_data"
+        t = time.time()
+        convert(store, data)
+        print(f"[anchor] their data dir {data} ({time.time() - t:.0f} s)", flush=True)
+        rows.append(their_row(a, verifier, data, env, engine_aux_ids(s.schema["aux_layers"], "vllm")))
+    if "nanospec" in a.trainers:
+        batch = a.batch_size
+        if not batch:
+            per_step = rows[0]["tokens_per_step"] if rows else 0.97 * a.max_len
+            batch = max(1, round(per_step / statistics.mean(n - 1 for n in lengths)))
+        rows.append(our_row(a, verifier, store, batch))
+    if len(rows) == 2:
+        rows[1]["vs_speculators"] = rows[1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "a") as f:
+        for r in rows:
+            r = {**common, **r}
+            print(json.dumps(r), flush=True)
+            f.write(json.dumps(r) + "\n")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
