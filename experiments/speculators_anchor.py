@@ -40,7 +40,6 @@ loss, sdpa attention: their fused loss is Triton, their bf16 needs autocast). No
 """
 
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -54,6 +53,8 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -117,16 +118,6 @@ print("SPECULATORS_PEAK " + json.dumps({"max_allocated_bytes": peak}), flush=Tru
 """
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
-    print("+", " ".join(cmd if cmd[1] != "-c" else [cmd[0], "-c", "SPEC_WRAPPER", *cmd[3:]]), flush=True)
-    t = time.time()
-    with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    print(f"  ({time.time() - t:.0f} s, log {log})", flush=True)
-    if p.returncode:
-        raise SystemExit(f"{cmd[1]} failed ({p.returncode}); last lines of {log}:\n" + log.read_text()[-4000:])
-
-
 def spec_env(a: Args) -> dict:
     """The environment their trainer runs in: --work/site-spec first on the path (installed from
     --spec-wheels when speculators is not importable as it is)."""
@@ -155,23 +146,6 @@ def spec_env(a: Args) -> dict:
             raise SystemExit(f"speculators is not importable even with {site}:\n{p.stderr[-3000:]}")
     env["SPECULATORS_VERSION"] = p.stdout.strip().splitlines()[-1]
     return env
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    import torch
-
-    from runlog import git_commit
-
-    out = {"torch": torch.__version__, "git_commit": git_commit(), "date": datetime.date.today().isoformat()}
-    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    for pkg in ("triton", "transformers", "datasets"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def make_verifier(a: Args) -> Path:
@@ -322,24 +296,9 @@ def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
     cmd += [w for x in a.our_extra for w in x.split()]
     t = time.time()
     run(cmd, a.work / "nanospec.log")
-    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "real_tokens_per_s" in r]
-    kept = rows[a.skip_windows :] or rows
-    meta = json.loads((out / "run.json").read_text())
-    pk = meta["results"]["packing"]
-    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
-    real = [r["real_tokens_per_s"] for r in kept]
     return {
         "trainer": "nanospec",
-        "batch": batch,
-        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
-        "rows_per_step": pk["row_tokens"] / pk["row_len"] / a.steps,
-        "tokens_per_step": statistics.median(r["real_tokens_per_s"] * r["step_seconds"] for r in kept),
-        "real_tokens_per_s": statistics.median(real),
-        "windows": len(kept),
-        "step_s": statistics.median(r["step_seconds"] for r in kept),
-        "packing_efficiency": pk["efficiency"],
-        "peak_gib": peak / 2**30 if peak else None,
-        "steps": a.steps,
+        **train_py_figures(out, a.skip_windows),
         "wall_s": time.time() - t,
         "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
     }
@@ -370,7 +329,7 @@ def main(a: Args):
         "model": a.preset + (" (64 wide)" if a.smoke else ""),
         "seq": a.max_len,
         "ttt": a.ttt_length,
-        **versions(),
+        **environment(),
     }
     common |= {"draft_vocab_size": a.draft_vocab_size, "data": a.data, "samples": len(lengths), "optimizer": "adamw"}
     rows = []

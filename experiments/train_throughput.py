@@ -67,29 +67,58 @@ class Args:
     """CPU: a tiny random target, 6 steps, no harness, rows to /tmp"""
 
 
-def run(cmd: list[str], log: Path) -> None:
-    print("+", " ".join(cmd), flush=True)
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
+    """cmd as a subprocess in the repo root, its output to `log`; a failure exits with the log's tail.
+    A `python -c SCRIPT` command is echoed without its script."""
+    shown = cmd if cmd[1:2] != ["-c"] else [cmd[0], "-c", "SCRIPT", *cmd[3:]]
+    print("+", " ".join(shown), flush=True)
+    t = time.time()
     with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    print(f"  ({time.time() - t:.0f} s, log {log})", flush=True)
     if p.returncode:
-        raise SystemExit(f"{cmd[1]} failed ({p.returncode}); last lines of {log}:\n" + log.read_text()[-3000:])
+        raise SystemExit(f"{shown[1]} failed ({p.returncode}); last lines of {log}:\n" + log.read_text()[-4000:])
 
 
-def env() -> dict:
-    import importlib.metadata as md
-
+def environment() -> dict:
+    """What a row records about where it was measured (runlog's commit, versions and hardware)."""
     import torch
 
-    from runlog import git_commit
+    from runlog import git_commit, hardware, versions
 
-    out = {"torch": torch.__version__, "git_commit": git_commit(), "date": datetime.date.today().isoformat()}
-    out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    for pkg in ("triton", "transformers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        "git_commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "hardware": hardware(device),
+    }
+
+
+def train_py_figures(out: Path, skip_windows: int) -> dict:
+    """train.py's own throughput of the run in `out`: medians over its metrics.jsonl log windows after
+    the first `skip_windows` (real tokens of the conversations, row tokens padding included), packing
+    from run.json, peak CUDA memory."""
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "real_tokens_per_s" in r]
+    kept = rows[skip_windows:] or rows
+    meta = json.loads((out / "run.json").read_text())
+    pk = meta["results"]["packing"]
+    steps = meta["config"]["steps"]
+    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
+    return {
+        "batch": meta["config"]["batch_size"],
+        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
+        "rows_per_step": pk["row_tokens"] / pk["row_len"] / steps if steps else None,
+        "tokens_per_step": statistics.median(r["real_tokens_per_s"] * r["step_seconds"] for r in kept),
+        "real_tokens_per_s": statistics.median(r["real_tokens_per_s"] for r in kept),
+        "padded_tokens_per_s": statistics.median(r["row_tokens_per_s"] for r in kept),
+        "packing_efficiency": pk["efficiency"],
+        "peak_gib": peak / 2**30 if peak else None,
+        "step_s": statistics.median(r["step_seconds"] for r in kept),
+        "mfu": statistics.median(r["mfu"] for r in kept) if all("mfu" in r for r in kept) else None,
+        "windows": len(kept),
+        "steps": steps,
+    }
 
 
 def harness_row(a: Args, log: Path) -> dict:
@@ -134,24 +163,10 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
     cmd += list(a.extra)
     t = time.time()
     run(cmd, log)
-    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "real_tokens_per_s" in r]
-    kept = rows[a.skip_windows :] or rows
-    meta = json.loads((out / "run.json").read_text())
-    pk = meta["results"]["packing"]
-    peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
     return {
         "path": "train.py",
         "mode": mode,
-        "batch": a.batch_size,
-        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
-        "rows_per_step": pk["row_tokens"] / pk["row_len"] / a.steps,
-        "real_tokens_per_s": statistics.median(r["real_tokens_per_s"] for r in kept),
-        "padded_tokens_per_s": statistics.median(r["row_tokens_per_s"] for r in kept),
-        "packing_efficiency": pk["efficiency"],
-        "peak_gib": peak / 2**30 if peak else None,
-        "step_s": statistics.median(r["step_seconds"] for r in kept),
-        "mfu": statistics.median(r["mfu"] for r in kept) if all("mfu" in r for r in kept) else None,
-        "windows": len(kept),
+        **train_py_figures(out, a.skip_windows),
         "data": a.data,
         "wall_s": time.time() - t,
         "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
@@ -167,7 +182,7 @@ def main(a: Args):
         a.out, a.work = Path("/tmp/train_throughput_smoke.jsonl"), Path("/tmp/train_throughput_smoke")
         a.out.unlink(missing_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
-    common = {"model": a.target, "seq": a.max_len, "ttt": a.ttt_length, **env()}
+    common = {"model": a.target, "seq": a.max_len, "ttt": a.ttt_length, **environment()}
     target = a.target
     if a.smoke:
         from models.target import load_tokenizer, resolve_target
