@@ -495,13 +495,9 @@ class Trainer:
             stats.update(self.store.schema["data"]["stats"])
         else:
             records = load_records(cfg.data, cfg.num_records or None)
-            parallel = tokenize_workers(len(records)) > 1  # a pool of processes: no per-record bar
-            examples, n_records = (
-                build_examples(
-                    records if parallel else self.bar(records, "tokenize"), self.tokenizer, cfg.max_len, stats
-                ),
-                len(records),
-            )
+            workers = tokenize_workers(len(records))  # a pool of processes has no per-record bar
+            src = records if workers > 1 else self.bar(records, "tokenize")
+            examples, n_records = build_examples(src, self.tokenizer, cfg.max_len, stats, workers), len(records)
         try:
             self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
             self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
