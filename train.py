@@ -14,7 +14,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -50,6 +52,9 @@ from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
 from runlog import RunLog, Throughput, peak_flops, run_metadata, write_checkpoint
 from tools.vllm_features import vllm_target
+
+
+STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
 
 
 @dataclass
@@ -122,6 +127,9 @@ class TrainConfig:
     has loaded its model and data); without it (or --resume) train.py refuses an --out that holds a run"""
     stop_after: int = 0
     """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps"""
+    time_limit: float = 0.0
+    """stop the same way once this invocation has run this many seconds (0 = no limit), for a job with a
+    wall-clock limit; a first SIGTERM (a scheduler's, or `timeout`'s) stops it so too, after the current step"""
     ckpt_every: int = 0
     """save every N steps (0 = only at the end)"""
     log_every: int = 1
@@ -219,6 +227,7 @@ def validate(cfg: TrainConfig, world: int | None = None):
         "grad_clip": (0.0, False, math.inf),
         "moe_aux_coef": (0.0, True, math.inf),
         "loss_decay": (0.0, True, math.inf),
+        "time_limit": (0.0, True, math.inf),
     }
     for name, (low, closed, high) in floats.items():
         v = getattr(cfg, name)
@@ -844,6 +853,14 @@ class Trainer:
             return self.host_batch(self.step_examples(step), key=step)
 
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
+        stop = StopRequest(cfg.time_limit, self.device, self.world)
+        try:
+            return self.loop(start, prefetch, stop, speed, bar, t0, results)
+        finally:
+            stop.close()
+
+    def loop(self, start, prefetch, stop, speed, bar, t0, results) -> dict:
+        cfg = self.cfg
         for step in range(start, self.total_steps):
             b = next(prefetch)
             self.schedule = step / self.total_steps
@@ -851,12 +868,15 @@ class Trainer:
             # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
             # eval, checkpoint, stop), so a bad step is caught before anything is saved
             n = step + 1
+            why = stop.why(check_ranks=n % cfg.log_every == 0) if n < self.total_steps else ""
+            if not why and cfg.stop_after and n - start >= cfg.stop_after and n < self.total_steps:
+                why = f"--stop-after {cfg.stop_after}"
             sync = (
                 n % cfg.log_every == 0
                 or n == self.total_steps
                 or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
                 or (cfg.eval_every and n % cfg.eval_every == 0)
-                or (cfg.stop_after and n - start >= cfg.stop_after)
+                or why
             )
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
@@ -907,17 +927,17 @@ class Trainer:
                 if save:
                     self.save(step + 1)
                 speed.resume()
-            if cfg.stop_after and step + 1 - start >= cfg.stop_after and step + 1 < self.total_steps:
+            if why:
                 if bar:
                     bar.close()
                 prefetch.close()
-                self.save(step + 1)
+                if not (cfg.ckpt_every and n % cfg.ckpt_every == 0):  # else saved just above
+                    self.save(n)
                 self.print(
-                    f"[stop] after step {step + 1}: checkpoint {self.out / 'ckpt' / f'step_{step + 1}'}; "
-                    "continue with --resume"
+                    f"[stop] {why}: after step {n}, checkpoint {self.out / 'ckpt' / f'step_{n}'}; continue with --resume"
                 )
-                self.log.finish({"stopped_at": step + 1, "packing": self.packing_summary(speed)})
-                return {"stopped_at": step + 1}
+                self.log.finish({"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)})
+                return {"stopped_at": n, "stopped_by": why}
         if bar:
             bar.close()
         self.save(self.total_steps)
@@ -933,6 +953,38 @@ class Trainer:
             f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}"
         )
         return results
+
+
+class StopRequest:
+    """--time-limit and SIGTERM: whether to stop, with a checkpoint, after the current step. The first SIGTERM
+    only raises a flag (a second one acts as before, i.e. kills); every rank must stop at the same step, so on
+    several ranks the flags are summed at log steps (where the loop syncs anyway), on one rank read each step."""
+
+    def __init__(self, time_limit: float, device: torch.device, world: int):
+        self.deadline = STARTED + time_limit if time_limit else math.inf
+        self.device, self.world = device, world
+        self.signalled = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            self.previous = signal.signal(signal.SIGTERM, self.on_term)
+
+    def on_term(self, signum, frame):
+        self.signalled = True
+        signal.signal(signal.SIGTERM, self.previous)
+
+    def why(self, check_ranks: bool) -> str:
+        """Why to stop now ('' = go on); with several ranks only where check_ranks (the same step on all)."""
+        mine = "SIGTERM" if self.signalled else ("--time-limit" if time.monotonic() >= self.deadline else "")
+        if self.world == 1:
+            return mine
+        if not check_ranks:
+            return ""
+        flag = all_sum(torch.tensor([float(bool(mine))], device=self.device))
+        return mine or ("another rank's stop" if flag.item() else "")
+
+    def close(self):
+        if self.previous is not None and signal.getsignal(signal.SIGTERM) == self.on_term:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def fmt(m: dict) -> str:

@@ -54,11 +54,14 @@ case $PHASE in
     D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.gz}  # the committed v3 set
     [[ -f $D ]] || { echo "no data at $D"; exit 1; }
     R=${RUN:-$W/run}
-    timeout $(($(left) - 40)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
+    # a run longer than one call: --time-limit stops it with a checkpoint before the call ends, and the next
+    # call (within the machine's ~30 s keep-alive, so that $R is still there) goes on with RESUME=1
+    MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
+    timeout $(($(left) - 25)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
       --max-len ${MAX_LEN:-1024} --pad-to-max-len --compile --batch-size ${BATCH:-32} --steps ${STEPS:-2000} \
-      --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R --overwrite ${TRAIN_ARGS:-} \
-      > $OUT/train.log 2>&1
-    echo "train exit $?"
+      --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R $MODE \
+      --time-limit $(($(left) - ${EXPORT_S:-70})) ${TRAIN_ARGS:-} >> $OUT/train.log 2>&1
+    echo "train exit $? ($MODE)"
     python3 export.py $R > $OUT/export.log 2>&1  # the latest checkpoint, bf16, vLLM ids
     cp $R/run.json $R/metrics.jsonl $OUT/ 2>/dev/null
     (cd $R && tar czf $OUT/draft_export.tgz export-vllm) && parts $OUT/draft_export.tgz

@@ -3,8 +3,10 @@ one conversation per row and packed), bad inputs fail clearly (more of them: tes
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,35 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
         f"No checkpoint was saved before it ({tmp_path / 'nan' / 'ckpt'} has none" in p.stderr
     )  # names none that does not exist
     assert not (tmp_path / "nan" / "ckpt").exists()  # (a run with a checkpoint: tests/test_bad_input.py)
+
+
+def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
+    """--time-limit (start-up counts, so a tiny limit stops after the first step) saves and says how to go on."""
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--time-limit", "0.001"])
+    assert (tmp_path / "t" / "ckpt" / "latest").read_text() == "step_1"
+    assert "[stop] --time-limit: after step 1" in p.stdout + p.stderr
+    assert '"stopped_by": "--time-limit"' in (tmp_path / "t" / "run.json").read_text()
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_inputs):
+    """A scheduler's (or `timeout`'s) SIGTERM ends the run at a step boundary with a checkpoint, exit 0."""
+    target, data = tiny_run_inputs
+    out = tmp_path / "s"
+    args = ["--target", str(target), "--data", str(data), "--out", str(out), *TINY_TRAIN, "--steps", "100000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2):
+            assert p.poll() is None and time.time() < deadline, "train.py ended or stalled before training"
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        log, _ = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, log[-2000:]
+    step = int((out / "ckpt" / "latest").read_text().removeprefix("step_"))
+    assert 2 <= step < 100000 and f"[stop] SIGTERM: after step {step}" in log
+    assert train_rows(out)[-1]["step"] == step  # the checkpoint is the last step trained
