@@ -38,6 +38,15 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
 
+def flex_train(q, k, v, block_mask: BlockMask, enable_gqa: bool = False) -> torch.Tensor:
+    """The compiled flex for a training forward. On CUDA it asks for flex's main Triton kernel: for
+    queries shorter than 128 flex picks its decoding kernel, which found no configuration for a P-EAGLE
+    training shape on the H200 (fp32, GQA, 104 tokens, with backward: NoValidChoicesError, torch 2.11);
+    rows of 128 tokens and more get the main kernel anyway."""
+    opts = {"kernel_options": {"BACKEND": "TRITON"}} if q.is_cuda else {}
+    return flex_attention_compiled(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, **opts)
+
+
 def _per_row(t: torch.Tensor):
     """index(b, i) into a [T] (shared) or [B, T] (per batch row) tensor."""
     if t.dim() == 1:

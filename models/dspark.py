@@ -103,13 +103,16 @@ class DSparkDraft(DFlashDraft):
         labels, p = batch.labels[sel], batch.target_p[sel].float()
         decay = torch.exp(-torch.arange(K, device=h.device).float() / gamma)
         w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
+        # the CE's backward overwrites logits with their gradient, so it must be their first consumer:
+        # autograd runs the later ops' backward first, and under torch.compile the ops after this graph
+        # break may save logits themselves (before it, they did: wrong-version error on the H200)
+        ce, top = hard_cross_entropy(logits, labels, w, return_argmax=True)
+        with torch.no_grad():
+            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
         q = logits.float().softmax(-1)
         tv = (q - p).abs().sum(-1)  # [N] L1 distance
         alpha = (1 - 0.5 * tv.detach()).clamp(0, 1)
         conf = F.binary_cross_entropy_with_logits(self.confidence_logit(z, e), alpha, reduction="none")
-        with torch.no_grad():
-            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
-        ce, top = hard_cross_entropy(logits, labels, w, return_argmax=True)  # backward overwrites logits: used last
         loss = (CE_ALPHA * ce + L1_ALPHA * (w * tv).sum() + CONF_ALPHA * (w * conf).sum()) / denom
         stats = {
             "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.masks import create_block_mask, flex_attention_compiled, mask_grid, peagle_mask
+from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
 from models.family import Family, Serving, block_attention, generator, pick_mask_token, with_vocab
 from models.proposer import Tree, verified_depth
@@ -69,7 +69,7 @@ class PEagleDraft(Eagle3Draft):
         mask_mod = peagle_mask(batch.pos, batch.depth, batch.doc)
         if attention == "flex":
             bm = create_block_mask(mask_mod, B, None, L, L, device=q.device)
-            attn = flex_attention_compiled(q, k, v, block_mask=bm, enable_gqa=True)
+            attn = flex_train(q, k, v, bm, enable_gqa=True)
         else:  # dense [B, 1, L, L]; padding rows (see nothing) attend to themselves to stay finite
             m = mask_grid(mask_mod, B, 1, L, L, device=q.device) | (batch.doc < 0)[:, None, :, None] & torch.eye(
                 L, dtype=torch.bool, device=q.device
