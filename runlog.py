@@ -7,24 +7,34 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent
+def git_commit(root: Path | None = None) -> str:
+    """HEAD, and where the files differ from it the git tree of the working files as they are (tracked
+    and untracked, not ignored): "<sha>+dirty tree <tree>". The device machine runs a copy of the working
+    tree on top of an older HEAD, so only the tree names the code that ran: the commit that holds it is
+    `git log --format='%H %T' | grep <tree>`."""
+    root = root or Path(__file__).resolve().parent
+    git = lambda *a, **kw: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True, **kw)  # noqa: E731
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
+        sha = git("rev-parse", "HEAD").stdout.strip()
+        if not git("status", "--porcelain").stdout.strip():
+            return sha
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    try:  # a throwaway index, so the repository's own is untouched
+        with tempfile.TemporaryDirectory() as d:
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(d) / "index")}
+            git("read-tree", "HEAD", env=env)
+            git("add", "-A", env=env)
+            return f"{sha}+dirty tree {git('write-tree', env=env).stdout.strip()}"
+    except (OSError, subprocess.CalledProcessError):
+        return sha + "+dirty"
 
 
 def hardware(device) -> dict:

@@ -1,0 +1,26 @@
+"""runlog.git_commit: a dirty working copy is named by the git tree of its files, which is the tree of
+the commit that later holds exactly those files (how a device run, made on top of an older HEAD, is traced)."""
+
+import subprocess
+
+from runlog import git_commit
+
+
+def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
+    git = lambda *a: subprocess.run(  # noqa: E731
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("one\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "HEAD")
+    assert git_commit(tmp_path) == head  # clean
+    (tmp_path / "a.py").write_text("two\n")
+    (tmp_path / "new.py").write_text("untracked\n")  # untracked files are part of what ran
+    label = git_commit(tmp_path)
+    assert label.startswith(head + "+dirty tree ")
+    assert "new.py" not in git("diff", "--cached", "--name-only")  # the repository's own index untouched
+    git("add", "-A")
+    git("commit", "-qm", "second")
+    assert label.split()[-1] == git("rev-parse", "HEAD^{tree}")
