@@ -16,6 +16,11 @@ outside the windows, runlog.Throughput), so recompiles for a new packed row coun
     python experiments/train_throughput.py --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --max-len 2048 \\
         --batch-size 128 --draft-vocab-size 8192
     python experiments/train_throughput.py --smoke      # CPU, tiny random target: checks the script
+
+Each row is appended to --out as soon as it is measured. A comparison longer than one device call
+(the 8B harness alone takes ~5 minutes with its compile) is split over calls on the same warm machine:
+`--modes` (nothing) for the harness, then `--no-harness --modes pack`, then `--no-harness --modes compile`,
+all with one --out under /tmp; train.py rows then take their ratio from the latest harness row there.
 """
 
 import dataclasses
@@ -198,21 +203,38 @@ def main(a: Args):
             run(cmd, a.work / "random_target.log")
     else:
         common["model"] = Path(a.target).name
-    rows = []
-    if a.harness and a.target in PRESETS:
-        rows.append(harness_row(a, a.work / "harness.log"))
-    for mode in a.modes:
-        rows.append(train_row(a, target, mode, a.work / f"train_{mode}.log"))
-        if rows[0]["path"] == "harness":
-            rows[-1]["vs_harness"] = rows[-1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a") as f:
-        for r in rows:
-            r = {**common, **r}
-            print(json.dumps(r), flush=True)
-            f.write(json.dumps(r) + "\n")
-    os.sync()
+    harness = None
+    if a.harness and a.target in PRESETS:
+        harness = write_row(a.out, {**common, **harness_row(a, a.work / "harness.log")})
+    else:  # measured by an earlier invocation (e.g. the previous device call) into the same --out
+        harness = earlier_harness(a.out, common)
+    for mode in a.modes:
+        r = {**common, **train_row(a, target, mode, a.work / f"train_{mode}.log")}
+        if harness:
+            r["vs_harness"] = r["real_tokens_per_s"] / harness["real_tokens_per_s"]
+            r["harness_date"] = harness["date"]
+        write_row(a.out, r)
 
+
+def write_row(out: Path, r: dict) -> dict:
+    """Append one measurement as soon as it is made (a call cut short keeps the rows before it)."""
+    print(json.dumps(r), flush=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(r) + "\n")
+    os.sync()
+    return r
+
+
+def earlier_harness(out: Path, common: dict) -> dict | None:
+    """The latest harness row in `out` for the same model, length and GPU (a run split over calls)."""
+    if not out.exists():
+        return None
+    same = lambda r: all(r.get(k) == common.get(k) for k in ("model", "seq", "ttt")) and r.get(  # noqa: E731
+        "hardware", {}
+    ).get("gpu") == common["hardware"].get("gpu")
+    rows = [r for r in map(json.loads, out.read_text().splitlines()) if r.get("path") == "harness" and same(r)]
+    return rows[-1] if rows else None
 
 if __name__ == "__main__":
     main(tyro.cli(Args, description=__doc__))

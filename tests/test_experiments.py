@@ -265,3 +265,24 @@ def test_train_throughput_rows():
         assert k in row, k
     assert row["path"] == "train.py" and row["seq"] == 256 and "--pack on" in row["command"]
     assert row["padded_tokens_per_s"] >= row["real_tokens_per_s"] > 0 and 0.5 < row["packing_efficiency"] <= 1
+
+
+def test_train_throughput_takes_the_ratio_from_an_earlier_call(tmp_path):
+    """A comparison split over device calls: train.py's row finds the latest harness row of the same model,
+    length, TTT and GPU in --out, and no other."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from train_throughput import earlier_harness
+
+    common = {"model": "llama-3.1-8b", "seq": 4096, "ttt": 7, "hardware": {"gpu": "NVIDIA H200"}}
+    rows = [
+        {**common, "path": "harness", "real_tokens_per_s": 1.0},
+        {**common, "path": "harness", "real_tokens_per_s": 2.0},
+        {**common, "path": "train.py", "real_tokens_per_s": 3.0},
+        {**common, "seq": 2048, "path": "harness", "real_tokens_per_s": 4.0},
+        {**common, "hardware": {"gpu": "NVIDIA H100"}, "path": "harness", "real_tokens_per_s": 5.0},
+    ]
+    out = tmp_path / "tt.jsonl"
+    assert earlier_harness(out, common) is None
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert earlier_harness(out, common)["real_tokens_per_s"] == 2.0
+    assert earlier_harness(out, {**common, "ttt": 9}) is None
