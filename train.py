@@ -50,9 +50,9 @@ from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
+from optim import MuonAdamW, muon_groups
 from runlog import RunLog, Throughput, peak_flops, run_metadata, write_checkpoint
 from tools.vllm_features import vllm_target
-
 
 STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
 
@@ -110,6 +110,9 @@ class TrainConfig:
     steps: int = 80
     """optimizer steps (0 = one epoch)"""
     lr: float = 3e-3
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon on the draft's hidden matrices and AdamW on its head and vectors (optim.py;
+    the update is scaled to AdamW's RMS, so --lr and --weight-decay keep their meaning)"""
     warmup: int = 8
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -236,6 +239,8 @@ def validate(cfg: TrainConfig, world: int | None = None):
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number in {rng}, got {v}")
     if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
         raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"--optimizer must be adamw or muon, got {cfg.optimizer!r}")
     if cfg.moe_mode not in ("flops", "params"):
         raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
     if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
@@ -585,15 +590,18 @@ class Trainer:
         # Several ranks: the FSDP2 module is compiled; dynamo skips FSDP's unshard/reshard hooks (they run
         # eagerly around the one graph, no break), so the gathered parameters are plain inputs to it
         self.draft_step = torch.compile(draft, dynamic=None) if cfg.compile else draft
-        decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            eps=1e-8,
-            fused=True if self.device.type == "cuda" and self.world == 1 else None,
-        )
+        if cfg.optimizer == "muon":
+            self.opt = MuonAdamW(muon_groups(draft.named_parameters(), cfg.weight_decay), lr=cfg.lr)
+        else:
+            decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
+            no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
+            self.opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                eps=1e-8,
+                fused=True if self.device.type == "cuda" and self.world == 1 else None,
+            )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> the family's loss ----
@@ -934,7 +942,8 @@ class Trainer:
                 if not (cfg.ckpt_every and n % cfg.ckpt_every == 0):  # else saved just above
                     self.save(n)
                 self.print(
-                    f"[stop] {why}: after step {n}, checkpoint {self.out / 'ckpt' / f'step_{n}'}; continue with --resume"
+                    f"[stop] {why}: after step {n}, checkpoint {self.out / 'ckpt' / f'step_{n}'}; "
+                    "continue with --resume"
                 )
                 self.log.finish({"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)})
                 return {"stopped_at": n, "stopped_by": why}

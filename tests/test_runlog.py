@@ -8,7 +8,11 @@ from runlog import git_commit
 
 def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
     git = lambda *a: subprocess.run(  # noqa: E731
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True, capture_output=True, text=True
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     git("init", "-q")
     (tmp_path / "a.py").write_text("one\n")

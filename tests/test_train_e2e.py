@@ -141,8 +141,14 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_input
     out = tmp_path / "s"
     args = ["--target", str(target), "--data", str(data), "--out", str(out), *TINY_TRAIN, "--steps", "100000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 300
         while not ((out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2):
