@@ -16,7 +16,7 @@
 #   ... h200_useful_draft.sh train2   # same recipe on each file, one per GPU; export; tau on GPU
 # Everything worth keeping is written to $OUT (files over 15 MB in parts: `cat X.part* > X`).
 set -uo pipefail
-PHASE=${1:?usage: h200_useful_draft.sh stage|regen|train|regen2|train2|train1}
+PHASE=${1:?usage: h200_useful_draft.sh stage|regen|train|regen2|train2|train1|ablate}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/useful  # survives between back-to-back calls
 LIMIT=${LIMIT:-560}  # seconds of this call's work (the call itself may run 600)
@@ -151,6 +151,32 @@ for i in range($N):
     done
     (cd $W/pack && tar czf $OUT/train1.tgz a b) && parts $OUT/train1.tgz
     grep -h "eval @" $OUT/train_a.log | tail -2; grep -h "eval @" $OUT/train_b.log | tail -2 ;;
+  ablate)  # training options side by side on one GPU at equal steps (issue 23, item 4), the recipe otherwise;
+    # VARIANTS="name:flags|..."; spans calls like train (RESUME=1 in the next call, within the keep-alive).
+    # Everything comes back in one tgz (logs, run.json, metrics; the drafts once they reach STEPS)
+    IFS='|' read -ra VS <<< "${VARIANTS:-base:|muon:--optimizer muon|lk:--objective lk-alpha}"
+    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.gz}
+    jobs=()
+    for v in "${VS[@]}"; do
+      name=${v%%:*}; R=$W/ab_$name
+      MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
+      # shellcheck disable=SC2086
+      (timeout $(($(left) - 25)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 --max-len 1024 \
+         --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-3000} --lr 3e-3 --eval-every ${EVAL_EVERY:-500} \
+         --ckpt-every ${EVAL_EVERY:-500} --out $R $MODE --time-limit $(($(left) - ${EXPORT_S:-70})) ${v#*:} \
+         >> $W/train_$name.log 2>&1
+       python3 export.py $R > $W/export_$name.log 2>&1) &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    rm -rf $W/pack_ab && mkdir -p $W/pack_ab
+    for v in "${VS[@]}"; do
+      name=${v%%:*}; R=$W/ab_$name; mkdir -p $W/pack_ab/$name
+      cp $R/run.json $R/metrics.jsonl $W/train_$name.log $W/export_$name.log $W/pack_ab/$name/ 2>/dev/null
+      [[ $(cat $R/ckpt/latest 2>/dev/null) == step_${STEPS:-3000} ]] && cp -r $R/export-vllm $W/pack_ab/$name/
+      grep -h "eval @\|\[stop\]\|error" $W/train_$name.log | tail -2
+    done
+    (cd $W/pack_ab && tar czf $OUT/ablate.tgz .) && parts $OUT/ablate.tgz ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null
