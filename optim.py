@@ -24,7 +24,8 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic iteration of Muon's referen
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """g [m, n] -> approximately U V^T of g's SVD (singular values pushed into ~[0.7, 1.2]), in fp32."""
+    """g [m, n] -> approximately U V^T of g's SVD (singular values pushed into ~[0.5, 1.5], not onto 1:
+    the quintic trades exactness for speed), in fp32."""
     a, b, c = NS_COEFFS
     x = g.float() / (g.float().norm() + eps)
     tall = x.shape[0] > x.shape[1]

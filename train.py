@@ -975,9 +975,11 @@ class StopRequest:
         self.deadline = STARTED + time_limit if time_limit else math.inf
         self.device, self.world = device, world
         self.signalled = False
-        self.previous = None
+        self.previous = None  # the handler before ours (SIG_DFL where it was not set from Python); None: not ours
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
             self.previous = signal.signal(signal.SIGTERM, self.on_term)
+            if self.previous is None:
+                self.previous = signal.SIG_DFL
 
     def on_term(self, signum, frame):
         self.signalled = True

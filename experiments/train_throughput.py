@@ -230,13 +230,11 @@ def earlier_harness(out: Path, common: dict) -> dict | None:
     """The latest harness row in `out` for the same model, length and GPU (a run split over calls)."""
     if not out.exists():
         return None
-    same = lambda r: (
-        all(r.get(k) == common.get(k) for k in ("model", "seq", "ttt"))
-        and r.get(  # noqa: E731
-            "hardware", {}
-        ).get("gpu")
-        == common["hardware"].get("gpu")
-    )
+
+    def same(r: dict) -> bool:
+        keys_equal = all(r.get(k) == common.get(k) for k in ("model", "seq", "ttt"))
+        return keys_equal and r.get("hardware", {}).get("gpu") == common["hardware"].get("gpu")
+
     rows = [r for r in map(json.loads, out.read_text().splitlines()) if r.get("path") == "harness" and same(r)]
     return rows[-1] if rows else None
 

@@ -38,6 +38,20 @@ def final_params(out):
     return load_file(ck / (ck / "latest").read_text().strip() / "draft.safetensors")
 
 
+def assert_runs_agree(one, two, keys=("loss", "loss_0", "loss_2", "acc_0"), params=True):
+    """Two runs (e.g. one rank and two) logged the same metrics at every step and, with params, end with
+    the same draft weights."""
+    r1, r2 = train_rows(one), train_rows(two)
+    assert len(r1) == len(r2)
+    for a, b in zip(r1, r2):
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    if params:
+        p1, p2 = final_params(one), final_params(two)
+        for k in p1:
+            torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 # one conversation per row; packed rows (at --max-len 256 the tiny chats, 76..218 tokens, share rows)
 LAYOUTS = {"rows": ["--pack", "off"], "packed": ["--pack", "on", "--max-len", "256"]}
 
@@ -47,17 +61,12 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_run_inputs, layout):
     target, data = tiny_run_inputs
     run_train(tmp_path / "one", target, data, 1, ["--steps", "5", *LAYOUTS[layout]])
     run_train(tmp_path / "two", target, data, 2, ["--steps", "5", *LAYOUTS[layout]])
-    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
-    assert len(one) == len(two) == 5
-    for a, b in zip(one, two):
-        for k in ("loss", "loss_0", "loss_2", "acc_0"):
-            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    one = train_rows(tmp_path / "one")
+    assert len(one) == 5
+    assert_runs_agree(tmp_path / "one", tmp_path / "two")
     assert (
         all(r["loss"] > 0 for r in one) and one[-1]["loss"] != one[0]["loss"]
     )  # every step trained tokens; it learned
-    p1, p2 = final_params(tmp_path / "one"), final_params(tmp_path / "two")
-    for k in p1:
-        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
