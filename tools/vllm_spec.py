@@ -44,7 +44,10 @@ def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
     py = venv / "bin" / "python"
 
     def ready() -> bool:
-        return py.exists() and subprocess.run([str(py), "-c", "import vllm"], capture_output=True).returncode == 0
+        # vllm.__file__ is None for a namespace package: what an install cut short leaves (a vllm/ holding
+        # only its compiled _C, seen when the disk filled up), which would otherwise pass as a working venv
+        check = "import vllm, sys; sys.exit(vllm.__file__ is None)"
+        return py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0
 
     if ready():
         return py
