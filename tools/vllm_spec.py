@@ -20,6 +20,7 @@ with "draft": null is served natively (vLLM takes method, K and target from its 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,8 @@ def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
 
 def _build_venv(venv: Path, py: Path, log) -> Path:
     log(f"creating {venv} with {VLLM_REQ} (one time, several minutes)")
+    if venv.exists():  # broken (see ready()): pip would take the half-installed vllm as installed
+        shutil.rmtree(venv)
     base_python = getattr(sys, "_base_executable", sys.executable)
     steps = [
         [base_python, "-m", "venv", str(venv)],
