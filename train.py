@@ -39,7 +39,7 @@ from data.datasets import (
     tokenize_workers,
 )
 from data.feature_store import batch_features, open_for_training
-from data.packing import pack, pad_rows
+from data.packing import pack, pad_batch_rows, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.roles import consumer_target
@@ -163,6 +163,9 @@ class TrainConfig:
     EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
     offline; --compile on CPU), off where they cannot (--compile or lse on GPU, other HF attention) | on = refuse
     to run there | off = one conversation per row"""
+    pack_row_multiple: int = 0
+    """packed batches get rows of padding up to a multiple of this many rows (0: 8 on a GPU, 1 on CPU): on a GPU
+    each new row count compiles flex and the target anew (data/packing.py pad_batch_rows)"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
@@ -217,6 +220,7 @@ def validate(cfg: TrainConfig, world: int | None = None):
         "ckpt_every": 0,
         "eval_every": 0,
         "moe_experts": 0,
+        "pack_row_multiple": 0,
     }
     for name, low in at_least.items():
         v = getattr(cfg, name)
@@ -274,13 +278,15 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
             f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
             f"(families that pack: {packing})"
         )
-    # correct on CPU inductor (tests/test_packing.py); on the H200 it stalls. NANOSPEC_TRY_PACK_COMPILE=1 lets
-    # experiments/pack_compile_probe.sh run it anyway, to see where it stalls
+    # correct on CPU inductor (tests/test_packing.py). On the H200 (2026-12-01) its first step never finished:
+    # each new row count recompiled flex, each compile slowed by the document mask's key-index gather (both
+    # fixed since: kernels/masks.ttt_document_mask, data/packing.pad_batch_rows) and graph breaks split the
+    # step (experiments/results/pack_probe_h200/). Refused there until it is measured at speed;
+    # NANOSPEC_TRY_PACK_COMPILE=1 lets experiments/pack_probe.sh run it
     if cfg.compile and kind == "cuda" and not os.environ.get("NANOSPEC_TRY_PACK_COMPILE"):
         return (
-            "--compile with packed rows on a GPU did not get through its first step in 5 minutes on the H200 "
-            "(SmolLM2, 2026-12-01: the compiled step building document block masks per batch); "
-            "--compile runs one conversation per row there"
+            "--compile with packed rows on a GPU is not yet measured at speed (on the H200 its first step "
+            "did not finish; experiments/results/pack_probe_h200/README.md); --compile runs one conversation per row there"
         )
     if kind == "cuda" and cfg.attention == "lse":
         return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
@@ -475,6 +481,7 @@ class Trainer:
                 )
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = self._packing(kind)
+        self.row_multiple = cfg.pack_row_multiple or (8 if kind == "cuda" else 1)
         self._load_data()
         self._build_draft()
 
@@ -613,6 +620,8 @@ class Trainer:
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the family's random draws (the step; eval batches: < 0)."""
         b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
+        if self.pack and self.row_multiple > 1:  # a row count that repeats: one compiled shape per count
+            b = pad_batch_rows(b, self.row_multiple)
         if (
             self.cfg.compile or self.cfg.pad_to_max_len
         ):  # one shape for every batch: pad to max_len, a multiple of the flex block
@@ -636,7 +645,13 @@ class Trainer:
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
         if self.store is not None:
             feats = batch_features(
-                self.store, examples, b["input_ids"].shape[1], self.device, self.dtype, where=b.get("where")
+                self.store,
+                examples,
+                b["input_ids"].shape[1],
+                self.device,
+                self.dtype,
+                where=b.get("where"),
+                n_rows=b["input_ids"].shape[0],
             )
         elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
             feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])

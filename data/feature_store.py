@@ -455,7 +455,13 @@ def open_for_training(root, target_dir, aux_layers, dtype, device):
 
 
 def batch_features(
-    store: FeatureStore, examples: list[StoredExample], T: int, device, dtype, where: torch.Tensor | None = None
+    store: FeatureStore,
+    examples: list[StoredExample],
+    T: int,
+    device,
+    dtype,
+    where: torch.Tensor | None = None,
+    n_rows: int | None = None,
 ):
     """Right-padded (zeros) Features [B, T, ...] of the examples, as the target would give them
     for a collate()d batch (pad positions are never trained or attended to by valid ones).
@@ -465,7 +471,7 @@ def batch_features(
 
     rows = [store.read(e.ref, ["aux_hidden", "final_hidden"]) for e in examples]
     place = [(i, 0) for i in range(len(rows))] if where is None else [tuple(w) for w in where.tolist()]
-    R = 1 + max(r for r, _ in place)
+    R = n_rows or 1 + max(r for r, _ in place)  # n_rows: the batch's rows, padding rows included
     aux = torch.zeros(R, T, rows[0]["aux_hidden"].shape[-1], dtype=dtype)
     fin = torch.zeros(R, T, rows[0]["final_hidden"].shape[-1], dtype=dtype)
     for r, (b, s) in zip(rows, place):

@@ -89,3 +89,27 @@ def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:
         else:
             out[k] = torch.nn.functional.pad(v, (0, T - v.shape[1]))
     return out
+
+
+def pad_batch_rows(b: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """Add rows of padding to a packed batch until its row count is a multiple of `multiple`.
+    The row count of pack() follows the batch's lengths (32 conversations of the packaged chats fill
+    24-29 rows of 1024), and on a GPU every new count recompiles flex and the compiled target: seven
+    TTT steps forward and backward, ~3 s each (experiments/pack_probe.sh, H200, 2026-12-01), so
+    whole minutes go to compiling before the counts repeat. A padding row is one padding document
+    (doc_ids -1, positions from 0, nothing trained, attention_mask 0), like the padding at a row's end."""
+    R, T = b["input_ids"].shape
+    extra = -R % multiple
+    if not extra:
+        return b
+    out = {}
+    for k, v in b.items():
+        if k == "where" or not torch.is_tensor(v) or v.dim() != 2 or v.shape[0] != R:
+            out[k] = v
+        elif k == "doc_ids":
+            out[k] = torch.cat([v, v.new_full((extra, T), -1)])
+        elif k == "position_ids":
+            out[k] = torch.cat([v, torch.arange(T, dtype=v.dtype).expand(extra, T)])
+        else:
+            out[k] = torch.cat([v, v.new_zeros((extra, T))])
+    return out

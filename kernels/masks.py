@@ -124,12 +124,35 @@ def same_document(doc_ids: torch.Tensor, kv_stride: int | None = None):
     return same_doc
 
 
+def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Where each token's document starts in its row: doc_ids [T] or [B, T] (int), each document one
+    contiguous run (data/packing.py; padding, -1, one run at the end) -> the same shape, int64."""
+    d = doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    t = torch.arange(d.shape[1], device=d.device).expand_as(d)
+    first = torch.ones_like(d, dtype=torch.bool)
+    first[:, 1:] = d[:, 1:] != d[:, :-1]
+    start = torch.where(first, t, 0).cummax(dim=1).values
+    return start if doc_ids.dim() == 2 else start[0]
+
+
 def ttt_document_mask(step: int, seq_len: int, doc_ids: torch.Tensor, kv_stride: int | None = None):
     """ttt_mask over packed rows: the TTT mask and the same document (doc_ids [T] or [B, T],
-    labels per query position, at least max(seq_len, kv_stride) long). Only the step-0 keys can
-    cross a boundary (the later steps' keys sit at the query's own position)."""
+    labels per query position, at least seq_len long, each document one contiguous run). Only the
+    step-0 keys can cross a boundary (the later steps' keys sit at the query's own position), and
+    with contiguous documents "key j in q's document" is "j >= the start of q's document": the mask
+    reads one start per query and gathers nothing at the key index. (A label gathered at
+    kv_idx % stride, same_document's form, made the first packed training step on the H200 spend
+    minutes in inductor compiling flex's backward: experiments/pack_probe.sh, 2026-12-01.)"""
     stride = seq_len if kv_stride is None else kv_stride
-    return and_masks(ttt_mask(step, seq_len, kv_stride=stride), same_document(doc_ids, stride))
+    assert stride >= seq_len
+    start = _per_row(document_starts(doc_ids))
+
+    def ttt_doc(b, h, q_idx, kv_idx):
+        s = kv_idx // stride
+        j = kv_idx - s * stride  # position of the key inside its step
+        return ((s == 0) & (j <= q_idx) & (j >= start(b, q_idx))) | ((s > 0) & (s <= step) & (j == q_idx))
+
+    return ttt_doc
 
 
 def dflash_mask(

@@ -147,18 +147,22 @@ def captured_256(tmp_path_factory, tiny_run_inputs):
 
 
 def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run_inputs):
-    """Packed rows: stored features (each captured alone) placed into the rows give the online packed curve."""
+    """Packed rows: stored features (each captured alone) placed into the rows give the online packed curve,
+    also with rows of padding added to the offline batches (--pack-row-multiple: what a GPU run does)."""
     target, data = tiny_run_inputs
     extra = ["--steps", "4", "--max-len", "256", "--pack", "on"]
     run_train(tmp_path / "online", target, data, 1, extra)
-    run_train(tmp_path / "offline", target, "/no/data/needed", 1, [*extra, "--features", captured_256])
+    run_train(
+        tmp_path / "offline", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--pack-row-multiple", "3"]
+    )
     on, off = train_rows(tmp_path / "online"), train_rows(tmp_path / "offline")
     assert len(on) == len(off) == 4 and len({r["loss"] for r in on}) > 1
     for a, b in zip(on, off):
         for k in ("loss", "loss_0", "loss_2", "acc_0", "grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
     packing = [json.loads((tmp_path / d / "run.json").read_text())["results"]["packing"] for d in ("online", "offline")]
-    assert packing[0] == packing[1] and packing[0]["packed"] and packing[0]["efficiency"] > 0
+    assert packing[0]["real_tokens"] == packing[1]["real_tokens"] and packing[0]["packed"] and packing[1]["packed"]
+    assert packing[0]["efficiency"] > packing[1]["efficiency"] > 0  # the padding rows count as row tokens
     p1, p2 = final_params(tmp_path / "online"), final_params(tmp_path / "offline")
     for k in p1:
         torch.testing.assert_close(p2[k], p1[k], rtol=1e-4, atol=1e-6, msg=k)
