@@ -285,8 +285,9 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
     # NANOSPEC_TRY_PACK_COMPILE=1 lets experiments/pack_probe.sh run it
     if cfg.compile and kind == "cuda" and not os.environ.get("NANOSPEC_TRY_PACK_COMPILE"):
         return (
-            "--compile with packed rows on a GPU is not yet measured at speed (on the H200 its first step "
-            "did not finish; experiments/results/pack_probe_h200/README.md); --compile runs one conversation per row there"
+            "--compile with packed rows on a GPU is not yet measured at speed (on the H200 its first step did "
+            "not finish; experiments/results/pack_probe_h200/README.md); --compile runs one conversation per row "
+            "there"
         )
     if kind == "cuda" and cfg.attention == "lse":
         return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"

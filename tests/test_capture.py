@@ -153,7 +153,11 @@ def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run
     extra = ["--steps", "4", "--max-len", "256", "--pack", "on"]
     run_train(tmp_path / "online", target, data, 1, extra)
     run_train(
-        tmp_path / "offline", target, "/no/data/needed", 1, [*extra, "--features", captured_256, "--pack-row-multiple", "3"]
+        tmp_path / "offline",
+        target,
+        "/no/data/needed",
+        1,
+        [*extra, "--features", captured_256, "--pack-row-multiple", "3"],
     )
     on, off = train_rows(tmp_path / "online"), train_rows(tmp_path / "offline")
     assert len(on) == len(off) == 4 and len({r["loss"] for r in on}) > 1
