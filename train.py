@@ -280,8 +280,8 @@ def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) 
         )
     # correct on CPU inductor (tests/test_packing.py). On the H200 (2026-12-01) its first step never finished:
     # each new row count recompiled flex, each compile slowed by the document mask's key-index gather (both
-    # fixed since: kernels/masks.ttt_document_mask, data/packing.pad_batch_rows) and graph breaks split the
-    # step (experiments/results/pack_probe_h200/). Refused there until it is measured at speed;
+    # fixed since: kernels/masks.ttt_document_mask, data/packing.pad_batch_rows; experiments/results/
+    # pack_probe_h200/). Refused there until it is measured at speed;
     # NANOSPEC_TRY_PACK_COMPILE=1 lets experiments/pack_probe.sh run it
     if cfg.compile and kind == "cuda" and not os.environ.get("NANOSPEC_TRY_PACK_COMPILE"):
         return (
