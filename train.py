@@ -39,7 +39,7 @@ from data.datasets import (
     tokenize_workers,
 )
 from data.feature_store import batch_features, open_for_training
-from data.packing import pack, pad_batch_rows, pad_rows
+from data.packing import bucket_rows, pack, pad_batch_rows, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.roles import consumer_target
@@ -164,8 +164,9 @@ class TrainConfig:
     offline; --compile on CPU), off where they cannot (--compile or lse on GPU, other HF attention) | on = refuse
     to run there | off = one conversation per row"""
     pack_row_multiple: int = 0
-    """packed batches get rows of padding up to a multiple of this many rows (0: 8 on a GPU, 1 on CPU): on a GPU
-    each new row count compiles flex and the target anew (data/packing.py pad_batch_rows)"""
+    """packed batches get rows of padding up to a multiple of this many rows (1: none); 0 = on a GPU up to the
+    next of four row counts per octave (8, 10, 12, 14, 16, 20, ...; data/packing.py bucket_rows), none on CPU:
+    on a GPU each new row count compiles flex and the target anew"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
@@ -482,7 +483,7 @@ class Trainer:
                 )
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = self._packing(kind)
-        self.row_multiple = cfg.pack_row_multiple or (8 if kind == "cuda" else 1)
+        self.row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
         self._load_data()
         self._build_draft()
 
@@ -621,8 +622,11 @@ class Trainer:
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the family's random draws (the step; eval batches: < 0)."""
         b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
-        if self.pack and self.row_multiple > 1:  # a row count that repeats: one compiled shape per count
-            b = pad_batch_rows(b, self.row_multiple)
+        if self.pack and self.row_multiple != 1:  # row counts that repeat: one compiled shape per count
+            R = b["input_ids"].shape[0]
+            b = pad_batch_rows(
+                b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
+            )
         if (
             self.cfg.compile or self.cfg.pad_to_max_len
         ):  # one shape for every batch: pad to max_len, a multiple of the flex block

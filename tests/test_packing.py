@@ -356,7 +356,7 @@ def _family_packed_vs_rows(strategy, objective, attention, device, rtol, compile
     packed = pack(ex, row_len=64)
     assert FAMILIES[strategy].packs and packed["input_ids"].shape[0] < len(ex)
     R = packed["input_ids"].shape[0]
-    packed = pad_batch_rows(packed, R + padding_rows if padding_rows else 1)  # all-padding rows change nothing
+    packed = pad_batch_rows(packed, R + padding_rows)  # all-padding rows change nothing
     assert packed["input_ids"].shape[0] == R + padding_rows
     target, draft = target.to(device), draft.to(device)
     a = _strategy_step(strategy, cfg, target, draft, collate(ex), device)
@@ -412,16 +412,25 @@ def test_train_packed_equals_unpacked(tmp_path, tiny_run_inputs, strategy, backe
 
 
 def test_pad_batch_rows():
-    """Rows of padding up to a multiple: one padding document each, nothing trained, the real rows untouched."""
+    """Rows of padding: one padding document each, nothing trained, the real rows untouched; bucket_rows
+    keeps the row counts to four per octave."""
+    from data.packing import bucket_rows
+
     ex = [Example([1, 2, 3], [0, 1, 1]), Example([4, 5, 6, 7, 8], [0, 0, 1, 1, 1]), Example([9] * 6, [1] * 6)]
     b = pack(ex, row_len=8)
     assert b["input_ids"].shape == (2, 8)
-    assert pad_batch_rows(b, 2) is b and pad_batch_rows(b, 1) is b
+    assert pad_batch_rows(b, 2) is b
     p = pad_batch_rows(b, 8)
     for k in ("input_ids", "loss_mask", "attention_mask", "doc_ids", "position_ids"):
         assert p[k].shape == (8, 8) and p[k].dtype == b[k].dtype and torch.equal(p[k][:2], b[k]), k
     assert (p["doc_ids"][2:] == -1).all() and not p["loss_mask"][2:].any() and not p["attention_mask"][2:].any()
     assert torch.equal(p["position_ids"][2:], torch.arange(8).expand(6, 8)) and torch.equal(p["where"], b["where"])
+    with pytest.raises(AssertionError, match="cannot be padded"):
+        pad_batch_rows(b, 1)
+    got = [bucket_rows(r) for r in range(1, 300)]
+    assert [bucket_rows(r) for r in (1, 4, 5, 8, 9, 11, 28, 29, 33, 64, 65)] == [1, 4, 5, 8, 10, 12, 28, 32, 40, 64, 80]
+    assert all(r <= g < 1.25 * r + 1 for r, g in zip(range(1, 300), got)) and all(bucket_rows(g) == g for g in got)
+    assert set(got[32:64]) == {40, 48, 56, 64}  # 33..64 rows: four shapes
 
 
 def test_what_cannot_pack_is_named():
