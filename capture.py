@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=N capture.py features --target T --data D --out DIR
     python capture.py regenerate --target T --data D --out FILE.jsonl [--temperature 0.8]
+    python capture.py prompts --target T --out FILE.jsonl --num-prompts N
 
 features    Tokenizes D exactly as train.py does (same --num-records / --max-len, so sample id i
             is train.py's example i; train.py applies --holdout to the ids), runs the target and
@@ -19,6 +20,8 @@ regenerate  The target writes new assistant turns: every assistant turn is regen
             {id, messages, ...} appended as batches finish (rerun to resume: done ids are
             skipped), FILE.dropped.jsonl for conversations the target could not continue, and
             FILE.provenance.json (model, settings, source, counts, dates, versions).
+prompts     The target writes user prompts (Magpie-style self-instruct, data/selfinstruct.py): kept
+            ones go to FILE.jsonl as conversations to answer with `regenerate --data FILE.jsonl`.
 """
 
 import gzip
@@ -724,13 +727,212 @@ def regenerate(cfg: RegenConfig) -> dict:
     return doc
 
 
+# ====================================================================== prompts
+@dataclass
+class PromptsConfig:
+    """The target writes user prompts itself (Magpie-style self-instruct, data/selfinstruct.py):
+    its chat template up to a user turn's text, sampled until the turn ends. Output: one JSON line per
+    kept prompt {id, messages: [user, empty assistant]} (answer them with `capture.py regenerate
+    --data FILE`), FILE.dropped.jsonl (every dropped prompt with its reason and text) and
+    FILE.provenance.json. Written in batches of --batch-size, each seeded by (--seed, batch index),
+    so a rerun resumes after the last whole batch and writes what one uninterrupted run would."""
+
+    target: str = DEFAULT_TARGET
+    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
+    out: str = "runs/prompts/selfinstruct.jsonl"
+    num_prompts: int = 1000
+    """stop once at least this many prompts are kept (whole batches: the last one may add more)"""
+    max_batches: int = 0
+    """stop after this many batches in all, earlier runs' included (0 = until --num-prompts)"""
+    max_new_tokens: int = 256
+    """a prompt that has not ended its turn by then is dropped (no_end_of_turn)"""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    system: str | None = None
+    """an explicit system turn before the user's; default: what the chat template writes without one"""
+    min_words: int = 3
+    batch_size: int = 64
+    """prompts sampled together (one batch = one seed; on the slots engine, also the slots)"""
+    engine: str = "auto"
+    """slots (models/generate.py) | hf (transformers' generate) | auto: slots on a GPU where supported"""
+    dtype: str = "auto"
+    device: str = "auto"
+    time_limit: float = 0
+    """seconds; stop cleanly before a batch would pass it (0 = none)"""
+
+
+_PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+_PROMPTS_SAME_ON_RESUME += ("system", "min_words", "batch_size", "engine", "dtype")
+
+
+def _whole_batches(kept: list[dict], dropped: list[dict]) -> tuple[list[dict], list[dict], bool]:
+    """The lines of batches written whole (a batch's kept and dropped lines number its batch_n);
+    True if a partly written batch was left out (a crash between or inside its two appends)."""
+    n = Counter(r["batch"] for r in kept + dropped)
+    whole = {b for b, c in n.items() if c == next(r["batch_n"] for r in kept + dropped if r["batch"] == b)}
+    return [r for r in kept if r["batch"] in whole], [r for r in dropped if r["batch"] in whole], len(whole) < len(n)
+
+
+def _rewrite(path: Path, rows: list[dict]):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_prompts(cfg: PromptsConfig) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized, query_prefix
+
+    t_start = time.time()
+    kind, dtype = pick_device(cfg.device, cfg.dtype)
+    device = torch.device(kind)
+    target_dir = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(target_dir)
+    prefix = query_prefix(tokenizer, cfg.system)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dropped_path, prov_path = _sidecars(out)
+    engine = pick_engine(cfg.engine, target_dir, kind)
+    settings = {
+        "target": cfg.target,
+        "target_fingerprint": fingerprint(target_dir),
+        **{k: getattr(cfg, k) for k in _PROMPTS_SAME_ON_RESUME[1:]},
+        "engine": engine,
+        "dtype": str(dtype).removeprefix("torch."),
+        "prefix": tokenizer.decode(prefix),
+    }
+    prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
+    if prov is not None:
+        diff = {
+            k: (prov["settings"].get(k), settings[k])
+            for k in _PROMPTS_SAME_ON_RESUME
+            if prov["settings"].get(k) != settings[k]
+        }
+        if diff:
+            raise SystemExit(f"error: {out} was written with other settings {diff} (old, new): use another --out")
+    kept, dropped, partial = _whole_batches(_read_jsonl_repair(out), _read_jsonl_repair(dropped_path))
+    if partial:  # its lines go; the batch is written again, the same (its seed is its index)
+        print(f"[prompts] {out}: a partly written batch is redone", flush=True)
+        _rewrite(out, kept)
+        _rewrite(dropped_path, dropped)
+    out.touch()
+    dropped_path.touch()
+    seen = {normalized(r["messages"][0]["content"]) for r in kept}
+    guard = BenchmarkGuard(benchmark_prompts())
+    special = [t for t in tokenizer.all_special_tokens if t]
+    eos = stop_ids_for(target_dir, tokenizer)
+    if engine == "slots":
+        from models.fast_target import FastTarget
+        from models.generate import Sampling, SlotGenerator
+
+        model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
+        gen = SlotGenerator(
+            model, cfg.batch_size, len(prefix), cfg.max_new_tokens, eos, Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    batch = 1 + max((r["batch"] for r in kept + dropped), default=-1)
+    print(
+        f"[prompts] {len(kept)} kept, {len(dropped)} dropped before; target {target_dir} ({dtype}, {kind}), "
+        f"engine {engine}, batches of {cfg.batch_size}; prefix {settings['prefix']!r}",
+        flush=True,
+    )
+    runs = (prov or {}).get("runs", [])
+    run = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "hardware": hardware(device), "versions": versions()}
+    run.update(git_commit=git_commit(), batches_before=batch)
+
+    def write_provenance(status: str) -> dict:
+        c = Counter(f"dropped_{d['reason']}" for d in dropped)
+        run.update(status=status, seconds=round(time.time() - t_start, 1))
+        doc = {
+            "output": out.name,
+            "dropped": dropped_path.name,
+            "model": {"spec": cfg.target, "path": str(target_dir), "fingerprint": settings["target_fingerprint"]},
+            "settings": settings,
+            "counts": {
+                "batches": batch,
+                "kept": len(kept),
+                "dropped": len(dropped),
+                "new_tokens": sum(r["new_tokens"] for r in kept + dropped),
+                **dict(sorted(c.items())),
+            },
+            "runs": runs + [run],
+        }
+        tmp = prov_path.with_name(prov_path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+        os.replace(tmp, prov_path)
+        return doc
+
+    status, last, t0, new_tok = "complete", 0.0, time.time(), 0
+    while len(kept) < cfg.num_prompts and not (cfg.max_batches and batch >= cfg.max_batches):
+        if cfg.time_limit and time.time() + last > t_start + cfg.time_limit:
+            status = "stopped_by_time_limit"
+            break
+        tb, seed = time.time(), cfg.seed * 1_000_003 + batch
+        if engine == "slots":
+            gen.gen.manual_seed(seed)
+            for j in range(cfg.batch_size):
+                gen.add(j, prefix)
+            res = {}
+            while gen.busy():
+                res.update({j: (new, hit) for j, new, hit in gen.step()})
+            res = [res[j] for j in range(cfg.batch_size)]
+        else:
+            torch.manual_seed(seed)
+            res = generate_batch(model, tokenizer, [prefix] * cfg.batch_size, cfg)
+        new_kept, new_dropped = [], []
+        for j, (ids, hit) in enumerate(res):
+            text = tokenizer.decode(ids, skip_special_tokens=False).strip()
+            row = {"id": f"si{cfg.seed}-{batch:05d}-{j:04d}", "batch": batch, "batch_n": cfg.batch_size}
+            row["new_tokens"] = len(ids)
+            why = drop_reason(text, ids, hit, special, seen, guard, cfg.min_words)
+            if why is None:
+                new_kept.append(
+                    {**row, "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]}
+                )
+            else:
+                new_dropped.append({**row, "reason": why, "text": text})
+        _append(dropped_path, new_dropped)  # a crash between the two appends leaves a partial batch: redone
+        _append(out, new_kept)
+        kept += new_kept
+        dropped += new_dropped
+        new_tok += sum(len(ids) for ids, _ in res)
+        batch += 1
+        last = time.time() - tb
+        c = write_provenance("running")["counts"]
+        el = time.time() - t0
+        print(
+            f"[prompts] batch {batch}: {c['kept']} kept, {c['dropped']} dropped; {new_tok / el:.0f} tok/s, {el:.0f} s",
+            flush=True,
+        )
+    el = time.time() - t0
+    run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
+    doc = write_provenance(status)
+    print(f"[prompts] {status}: {json.dumps(doc['counts'])}; wrote {out}, {dropped_path.name}, {prov_path.name}")
+    return doc
+
+
+def stop_ids_for(target_dir: Path, tokenizer) -> list[int]:
+    """stop_ids without loading a model first: the directory's generation config and the tokenizer's EOS."""
+    from types import SimpleNamespace
+
+    return stop_ids(SimpleNamespace(path=str(target_dir)), tokenizer)
+
+
 def main():
     import tyro
 
-    cfg = tyro.extras.subcommand_cli_from_dict({"features": FeaturesConfig, "regenerate": RegenConfig})
+    cfg = tyro.extras.subcommand_cli_from_dict(
+        {"features": FeaturesConfig, "regenerate": RegenConfig, "prompts": PromptsConfig}
+    )
     try:
         if isinstance(cfg, FeaturesConfig):
             features(cfg)
+        elif isinstance(cfg, PromptsConfig):
+            write_prompts(cfg)
         else:
             regenerate(cfg)
     except (DataError, FileNotFoundError, StoreError) as e:

@@ -16,7 +16,7 @@
 #   ... h200_useful_draft.sh train2   # same recipe on each file, one per GPU; export; tau on GPU
 # Everything worth keeping is written to $OUT (files over 15 MB in parts: `cat X.part* > X`).
 set -uo pipefail
-PHASE=${1:?usage: h200_useful_draft.sh stage|regen|train|regen2|train2|train1|ablate}
+PHASE=${1:?usage: h200_useful_draft.sh stage|regen|train|regen2|train2|train1|ablate|selfinstruct}
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/useful  # survives between back-to-back calls
 LIMIT=${LIMIT:-560}  # seconds of this call's work (the call itself may run 600)
@@ -177,6 +177,19 @@ for i in range($N):
       grep -h "eval @\|\[stop\]\|error" $W/train_$name.log | tail -2
     done
     (cd $W/pack_ab && tar czf $OUT/ablate.tgz .) && parts $OUT/ablate.tgz ;;
+  selfinstruct)  # more varied data (issue 22): prompts the target writes itself (capture.py prompts, Magpie-style),
+    # then answered greedily by it (capture.py regenerate), in one call; both resume on a warm machine. A third of
+    # the call for the prompts (PROMPTS kept, batches of SI_BATCH), the rest for the answers (512 new tokens each)
+    S=$W/si && mkdir -p $S
+    timeout -k 10 $(($(left) / 3)) python3 capture.py prompts --target $T --out $S/prompts.jsonl --engine slots \
+      --batch-size ${SI_BATCH:-512} --num-prompts ${PROMPTS:-40000} --time-limit $(($(left) / 3 - 20)) \
+      >> $OUT/si_prompts.log 2>&1
+    timeout -k 10 $(($(left) - 20)) python3 capture.py regenerate --target $T --data $S/prompts.jsonl \
+      --out $S/answers.jsonl --engine slots --max-new-tokens 512 --max-prompt-len 1536 --time-limit $(($(left) - 50)) \
+      >> $OUT/si_answers.log 2>&1
+    cp $S/prompts.provenance.json $S/prompts.dropped.jsonl $S/answers.provenance.json $S/answers.dropped.jsonl $OUT/
+    for f in prompts answers; do gzip -9c $S/$f.jsonl > $OUT/si_$f.jsonl.gz && parts $OUT/si_$f.jsonl.gz; done
+    tail -2 $OUT/si_prompts.log $OUT/si_answers.log ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 kill $SMI 2>/dev/null
