@@ -57,8 +57,8 @@ class BenchmarkGuard:
 
 
 def benchmark_prompts() -> list[str]:
-    """Every user turn of the packaged benchmarks the drafts are evaluated on (evaluate.DATASETS)."""
-    from evaluate import DATASETS, load_prompts
+    """Every user turn of the packaged benchmarks the drafts are evaluated on (data/benchmarks.py)."""
+    from data.benchmarks import DATASETS, load_prompts
 
     return [t for name in DATASETS for conv in load_prompts(name, 0) for t in conv]
 
