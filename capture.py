@@ -771,7 +771,8 @@ def _whole_batches(kept: list[dict], dropped: list[dict]) -> tuple[list[dict], l
     """The lines of batches written whole (a batch's kept and dropped lines number its batch_n);
     True if a partly written batch was left out (a crash between or inside its two appends)."""
     n = Counter(r["batch"] for r in kept + dropped)
-    whole = {b for b, c in n.items() if c == next(r["batch_n"] for r in kept + dropped if r["batch"] == b)}
+    size = {r["batch"]: r["batch_n"] for r in kept + dropped}
+    whole = {b for b, c in n.items() if c == size[b]}
     return [r for r in kept if r["batch"] in whole], [r for r in dropped if r["batch"] in whole], len(whole) < len(n)
 
 

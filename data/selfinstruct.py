@@ -14,6 +14,8 @@ run of 8 words with any MT-Bench, HumanEval or GSM8K prompt (or equal to one) is
 
 import re
 
+from data.chat import DataError
+
 MARK = "\x00QUERY\x00"  # stands for the user's text while the template is rendered
 NGRAM = 8  # words in a run shared with a benchmark prompt that drop a written prompt
 
@@ -22,11 +24,11 @@ def query_prefix(tokenizer, system: str | None = None) -> list[int]:
     """Token ids of the chat template up to where a user turn's text starts (system: an explicit
     system turn; None = what the template writes without one, e.g. SmolLM2's default system prompt)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template: self-instruct prompts start from one")
+        raise DataError("the tokenizer has no chat template: self-instruct prompts start from one")
     msgs = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": MARK}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     if text.count(MARK) != 1:
-        raise ValueError("the chat template does not write the user's text verbatim once: cannot find where it starts")
+        raise DataError("the chat template does not write the user's text verbatim once: cannot find where it starts")
     return tokenizer(text[: text.index(MARK)], add_special_tokens=False)["input_ids"]
 
 
