@@ -24,7 +24,6 @@ prompts     The target writes user prompts (Magpie-style self-instruct, data/sel
             ones go to FILE.jsonl as conversations to answer with `regenerate --data FILE.jsonl`.
 """
 
-import gzip
 import json
 import os
 import socket
@@ -222,24 +221,6 @@ _SAME_ON_RESUME = (
     "seed",
     "dtype",
 )
-
-
-def read_chats(source: str, limit: int | None) -> list[dict]:
-    """load_records, plus .jsonl.gz and plain .jsonl read with the standard library (so the
-    GPU box needs no `datasets`)."""
-    if source.endswith((".jsonl", ".jsonl.gz")) and Path(source).is_file():
-        out = []
-        with (gzip.open if source.endswith(".gz") else open)(source, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(out) >= limit:
-                    break
-                if line.strip():
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{source}:{lineno}: malformed JSON line ({e.msg})") from None
-        return out
-    return load_records(source, limit)
 
 
 def conversation_ids(records: list[dict]) -> list[str]:
@@ -539,7 +520,9 @@ def regenerate(cfg: RegenConfig) -> dict:
     device = torch.device(kind)
     target_dir = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_dir)
-    records = read_chats(cfg.data, cfg.num_records or None)
+    records = load_records(cfg.data, cfg.num_records or None)
+    if not records:  # e.g. a prompts file that an earlier step left empty: say so instead of "complete"
+        raise DataError(f"{cfg.data}: no conversations to regenerate (the file is empty)")
     ids = conversation_ids(records)
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)

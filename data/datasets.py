@@ -62,8 +62,9 @@ def _find_bad_json_line(path: Path) -> str:
     return f"{path}: could not be read as JSON lines or a JSON array"
 
 
-# What load_records reads (through `datasets`): name endings -> loader. JSON files hold one JSON
-# array of records or one record per line; .gz ones are decompressed on the fly.
+# What load_records reads: name endings -> loader (JSON lines with the standard library, the rest
+# through `datasets`). JSON files hold one JSON array of records or one record per line; .gz ones
+# are decompressed on the fly.
 FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
 SUPPORTED = ", ".join(FORMATS) + " or a directory of such files"
 
@@ -72,6 +73,30 @@ def data_format(path: Path) -> str | None:
     """'json' | 'parquet' for a file load_records reads, else None (by its name's ending)."""
     name = path.name.lower()
     return next((kind for end, kind in FORMATS.items() if name.endswith(end)), None)
+
+
+def read_jsonl(files: list[Path], limit: int | None = None) -> list[dict]:
+    """JSON lines read with the standard library: records may differ in their other fields (a
+    self-instruct file beside a regenerated one; `datasets` infers one Arrow schema and fails on
+    that), a bad line is named by file and line number, and the GPU box needs no `datasets`."""
+    import gzip
+
+    out = []
+    for path in files:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(out) >= limit:
+                    return out
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
+                out.append(rec)
+    return out
 
 
 def load_records(source: str, limit: int | None = None) -> list[dict]:
@@ -103,6 +128,8 @@ def load_records(source: str, limit: int | None = None) -> list[dict]:
     kinds = {data_format(f) for f in files}
     if len(kinds) > 1:
         raise DataError(f"{path} mixes JSON and Parquet files; put them in separate directories")
+    if all(f.name.lower().endswith((".jsonl", ".jsonl.gz")) for f in files):
+        return read_jsonl(files, limit)
     import datasets
 
     datasets.disable_progress_bars()

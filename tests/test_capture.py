@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from capture import FeaturesConfig, RegenConfig, _Deadline, features, regenerate, regenerate_batch, reply_slots
+from data.chat import DataError
 from data.feature_store import FeatureStore, open_feature_store
 from tests.test_train_e2e import final_params, run_train, train_rows
 
@@ -353,6 +354,11 @@ def test_regenerate_counts_conversations_it_cannot_continue(tmp_path, tiny_run_i
             (mute / f.name).write_bytes(f.read_bytes())
     doc = regenerate(regen_cfg(mute, data, tmp_path / "m.jsonl", num_records=0, max_prompt_len=160))
     assert doc["counts"]["written"] == 0 and doc["counts"]["dropped_empty_output"] == 3
+
+    # an empty input (a prompts file an earlier step left empty) is an error, not a "complete" run of nothing
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty.jsonl: no conversations to regenerate"):
+        regenerate(regen_cfg(target, tmp_path / "empty.jsonl", tmp_path / "e.jsonl", num_records=0))
 
 
 def test_deadline_discards_an_unfinished_batch(tiny_run_inputs):

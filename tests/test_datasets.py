@@ -1,3 +1,4 @@
+import gzip
 import json
 from pathlib import Path
 
@@ -30,7 +31,6 @@ def test_malformed_jsonl_names_the_line(tmp_path):
     p.write_text(good + "\n" + good + "\n{not json\n" + good + "\n")
     with pytest.raises(DataError, match=r"bad.jsonl:3: malformed JSON"):
         load_records(str(p))
-    import gzip
 
     with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
         f.write(p.read_text())
@@ -48,6 +48,22 @@ def test_jsonl_and_parquet_load_the_same(tmp_path):
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
     assert load_records(str(tmp_path / "c.jsonl")) == rows == load_records(str(tmp_path / "c.parquet"))
+
+
+def test_jsonl_records_with_different_fields_load(tmp_path):
+    """Self-instruct answers (id, batch, new_tokens, ...) concatenated with regenerated chats (id, turns,
+    hit_max_new_tokens): valid JSON lines whose other fields differ load as they are, in file order
+    (on the H200, 2026-12-01, `datasets` refused such a file as 'could not be read as JSON lines')."""
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [
+        {"id": "si0-1", "batch": 0, "new_tokens": 5, "messages": chat},
+        {"id": "x_0", "messages": chat, "turns": 1, "hit_max_new_tokens": 0},
+        {"id": "x_1", "messages": chat, "turns": [1, 2]},
+    ]
+    with gzip.open(tmp_path / "mix.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert load_records(str(tmp_path / "mix.jsonl.gz")) == rows
+    assert load_records(str(tmp_path / "mix.jsonl.gz"), limit=2) == rows[:2]
 
 
 def test_missing_dataset_is_clear():
@@ -106,7 +122,6 @@ def test_unsupported_format_is_named_not_malformed_json(tmp_path):
 
 
 def test_gzipped_jsonl_and_directories_load(tmp_path):
-    import gzip
 
     import datasets
 
