@@ -354,6 +354,11 @@ def main(a: EvalArgs) -> dict:
                 flush=True,
             )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
+        if isinstance(getattr(draft, "t2d", None), torch.Tensor):  # a token outside the draft vocab is never proposed
+            outs = torch.tensor([t for _, out, _ in turns for t in out], dtype=torch.long)
+            cover = draft.t2d.cpu()[outs].float().mean().item() if len(outs) else float("nan")
+            result.setdefault("draft_vocab_coverage", {})[ds] = round(cover, 4)
+            print(f"[{ds}] draft vocabulary covers {100 * cover:.1f}% of the target's output tokens", flush=True)
         if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
             tmp = Path(a.resume_file + ".tmp")
             tmp.write_text(json.dumps({"key": key, "results": result["results"]}))

@@ -334,6 +334,11 @@ def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
         assert s["prompts"] == 3 and s["tau"] >= 1.0 and s["target_forwards"] == s["prompts"] + s["drafts"]
     assert len(r["eagle3-chain3"]["acceptance_per_pos"]) == 3
     assert json.loads((tmp_path / "r.jsonl").read_text())["results"] == res["results"]
+    # the draft vocabulary's share of the output tokens bounds what a chain can have accepted
+    cover = res["draft_vocab_coverage"]["p"]
+    assert 0.0 <= cover <= 1.0
+    for name in ("eagle3-chain2", "eagle3-chain3"):
+        assert r[name]["accepted"] <= cover * r[name]["new_tokens"] + 1e-9
 
 
 def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):

@@ -1,0 +1,135 @@
+"""How much of what the target writes a draft vocabulary of size N can propose at all.
+
+A token outside the draft vocabulary (data/vocab.py: the N most frequent trained tokens) is never
+drafted, so its share bounds acceptance from above. For each prompt set this decodes the target
+greedily exactly as evaluate.py does (same prompts, chat template, turns and --max-new-tokens),
+ranks the target's tokens by their count in the training data (train.py's own count_tokens over
+the same examples), and reports for every size N:
+
+    coverage    share of the output tokens inside the top N
+    window_k    share of output positions whose next k tokens are all inside (a chain of k drafts
+                can be accepted whole only there: an upper bound on full acceptance at K = k)
+
+    ./dev python experiments/vocab_coverage.py --sizes 8192 16384 32768 49152     # SmolLM2, ~5 CPU minutes
+
+One JSON row per (set, size) goes to --out (default experiments/results/useful_draft/vocab_coverage.jsonl).
+"""
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@dataclasses.dataclass
+class Args:
+    target: str = "smollm2"
+    data: str = "sharegpt-greedy"
+    """the training data whose token counts pick the draft vocabulary"""
+    num_records: int = 0
+    """training records to count (0 = all)"""
+    holdout: int = 256
+    """the last examples train.py holds out (not counted, as in train.py)"""
+    max_len: int = 1024
+    sets: tuple[str, ...] = (
+        "mtbench",
+        "humaneval",
+        "gsm8k",
+        str(ROOT / "experiments/results/useful_draft/unseen_sharegpt.jsonl"),
+    )
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    sizes: tuple[int, ...] = (8192, 16384, 32768)
+    windows: tuple[int, ...] = (3, 7)
+    threads: int = 0
+    out: Path = ROOT / "experiments/results/useful_draft/vocab_coverage.jsonl"
+
+
+def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> list[list[int]]:
+    """The target's greedy replies, turn by turn as evaluate.run_dataset feeds them."""
+    from evaluate import render
+
+    outs = []
+    for turns in convs:
+        msgs = []
+        for user in turns:
+            msgs.append({"role": "user", "content": user})
+            prompt = torch.tensor([render(tok, msgs)])
+            with torch.no_grad():
+                ids = model.generate(prompt, max_new_tokens=max_new, do_sample=False, eos_token_id=eos)[0]
+            out = ids[prompt.shape[1] :].tolist()
+            outs.append(out)
+            msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+    return outs
+
+
+def coverage_rows(outs: list[list[int]], in_vocab: torch.Tensor, windows) -> dict:
+    """coverage and window_k of the replies `outs` for one vocabulary mask [V] bool."""
+    row = {"tokens": sum(map(len, outs))}
+    flags = [in_vocab[torch.tensor(o, dtype=torch.long)] if o else torch.zeros(0, dtype=torch.bool) for o in outs]
+    row["coverage"] = round(float(torch.cat(flags).float().mean()), 4)
+    for k in windows:
+        full = sum(int(f.unfold(0, k, 1).all(1).sum()) if len(f) >= k else 0 for f in flags)
+        row[f"window_{k}"] = round(full / max(1, sum(max(0, len(f) - k + 1) for f in flags)), 4)
+    return row
+
+
+def main(a: Args) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from data.benchmarks import load_prompts
+    from data.datasets import build_examples, load_records, split_holdout
+    from data.vocab import build_vocab_mapping, count_tokens
+    from evaluate import eos_ids
+    from models.target import load_tokenizer, resolve_target
+    from runlog import git_commit, hardware, versions
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    target_dir = resolve_target(a.target)
+    tok = load_tokenizer(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    V = model.config.vocab_size
+    t0 = time.time()
+    examples = build_examples(load_records(a.data, a.num_records or None), tok, a.max_len)
+    train, _ = split_holdout(examples, a.holdout)
+    counts = count_tokens(train, V)
+    print(f"[counts] {len(train)} training examples, {int(counts.sum())} trained tokens, {time.time() - t0:.0f}s")
+    masks = {n: build_vocab_mapping(counts, min(n, V))[1] for n in a.sizes}
+    meta = {
+        "target": a.target,
+        "data": a.data,
+        "max_new_tokens": a.max_new_tokens,
+        "num_prompts": a.num_prompts,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "hardware": hardware("cpu"),
+    }
+    rows, eos = [], eos_ids(model, tok)
+    for name in a.sets:
+        ds = Path(name).stem if Path(name).suffix else name
+        outs = greedy_outputs(model, tok, load_prompts(name, a.num_prompts), a.max_new_tokens, eos)
+        for n, m in masks.items():
+            row = {"set": ds, "draft_vocab_size": n, **coverage_rows(outs, m, a.windows), **meta}
+            rows.append(row)
+            print(
+                f"[{ds}] N={n:<6} coverage {row['coverage']:.3f}  "
+                + "  ".join(f"all of next {k} inside {row[f'window_{k}']:.3f}" for k in a.windows),
+                flush=True,
+            )
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(a.out, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
