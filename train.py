@@ -39,7 +39,7 @@ from data.datasets import (
     tokenize_workers,
 )
 from data.feature_store import batch_features, open_for_training
-from data.packing import bucket_rows, pack, pad_batch_rows, pad_rows
+from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.roles import consumer_target
@@ -107,6 +107,10 @@ class TrainConfig:
     """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
     batch_size: int = 4
     """global batch in sequences (split over ranks)"""
+    batch_tokens: int = 0
+    """a token budget instead of --batch-size: every step is batch_tokens // max_len packed rows of --max-len,
+    filled first-fit with whole conversations of the shuffled data (data/packing.TokenBatches): one row count
+    (one compiled shape, no rows of padding) and rows nearly full; needs packing; 0 = --batch-size"""
     steps: int = 80
     """optimizer steps (0 = one epoch)"""
     lr: float = 3e-3
@@ -253,6 +257,15 @@ def validate(cfg: TrainConfig, world: int | None = None):
             f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
             "data-parallel ranks"
         )
+    if cfg.batch_tokens < 0 or (cfg.batch_tokens and cfg.batch_tokens < cfg.max_len):
+        raise ConfigError(f"--batch-tokens {cfg.batch_tokens}: 0, or at least one row of --max-len {cfg.max_len}")
+    if cfg.batch_tokens and world % cfg.tp == 0 and (cfg.batch_tokens // cfg.max_len) % (world // cfg.tp):
+        raise ConfigError(
+            f"--batch-tokens {cfg.batch_tokens} gives {cfg.batch_tokens // cfg.max_len} rows of --max-len {cfg.max_len}"
+            f" a step: they must split evenly over the {world // cfg.tp} data-parallel ranks"
+        )
+    if cfg.batch_tokens and (cfg.deploy.role or cfg.deploy.producers):
+        raise ConfigError("--batch-tokens with disaggregated producers is not supported yet: use --batch-size")
     if cfg.resume and cfg.init_draft:
         raise ConfigError("--resume continues the run in --out with its own weights; --init-draft starts a new one")
     if cfg.resume and cfg.overwrite:
@@ -535,7 +548,6 @@ class Trainer:
             ) from None
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
-        self.total_steps = cfg.steps or self.batches.per_epoch
         # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
         # whose rows then grow to the longest (each conversation still fits one row)
         longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
@@ -544,6 +556,16 @@ class Trainer:
             self.print(
                 f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
             )
+        if cfg.batch_tokens:
+            if not self.pack:
+                raise ConfigError("--batch-tokens fills packed rows, and packing is off in this run (see [data] above)")
+            rows = cfg.batch_tokens // cfg.max_len
+            self.batches = TokenBatches([len(e.input_ids) for e in self.train_set], rows, self.row_len, cfg.seed)
+            self.print(
+                f"[data] --batch-tokens {cfg.batch_tokens}: {rows} rows of {self.row_len} tokens a step, "
+                f"{self.batches.per_epoch} steps an epoch"
+            )
+        self.total_steps = cfg.steps or self.batches.per_epoch
 
     def _init_from(self, draft, d: Path):
         """Load --init-draft's tensors (its d2t/t2d too) into the freshly built draft, refusing another config."""
@@ -616,22 +638,27 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> the family's loss ----
-    def host_batch(self, examples, key: int = 0) -> dict:
+    def host_batch(self, examples, key: int = 0, row_sizes: list[int] | None = None, first: int | None = None) -> dict:
         """Everything about a batch that the host knows without the GPU: collated tensors, the
         family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
-        during training. key seeds the family's random draws (the step; eval batches: < 0)."""
-        b = pack(examples, self.row_len) if self.pack else collate(examples)  # packed: + doc_ids, position_ids, where
-        if self.pack and self.row_multiple != 1:  # row counts that repeat: one compiled shape per count
+        during training. key seeds the family's random draws (the step; eval batches: < 0). row_sizes,
+        first: a --batch-tokens step's rows (examples per row, in order) and its examples' global offset."""
+        if self.pack:  # + doc_ids, position_ids, where
+            b = pack(examples, self.row_len, row_sizes=row_sizes)
+        else:
+            b = collate(examples)
+        # row counts that repeat: one compiled shape per count (--batch-tokens steps have one count already)
+        if self.pack and self.row_multiple != 1 and row_sizes is None:
             R = b["input_ids"].shape[0]
             b = pad_batch_rows(
                 b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
             )
-        if (
-            self.cfg.compile or self.cfg.pad_to_max_len
-        ):  # one shape for every batch: pad to max_len, a multiple of the flex block
+        # one shape for every batch: pad to max_len, a multiple of the flex block (--batch-tokens rows are full)
+        if self.cfg.compile or self.cfg.pad_to_max_len or row_sizes is not None:
             b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
-        b = self.family.host(b, self.cfg, self.device, key, first=self.dp_rank * len(examples))
+        first = self.dp_rank * len(examples) if first is None else first
+        b = self.family.host(b, self.cfg, self.device, key, first=first)
         # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
         b.update(
             examples=examples,
@@ -880,6 +907,12 @@ class Trainer:
         speed = self.throughput()
 
         def examples_of(step):
+            if isinstance(self.batches, TokenBatches):  # the step's rows as planned (a fixed count of them)
+                rows = self.batches.step_rows(step, self.dp_rank, self.dp_size)
+                first = self.batches.first(step, self.dp_rank, self.dp_size)
+                return self.host_batch(
+                    self.step_examples(step), key=step, row_sizes=[len(r) for r in rows], first=first
+                )
             return self.host_batch(self.step_examples(step), key=step)
 
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)

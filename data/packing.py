@@ -21,7 +21,7 @@ T is the fullest row's length (like collate's longest example), not always row_l
 
 import torch
 
-from data.chat import Example
+from data.chat import DataError, Example
 
 
 def first_fit_decreasing(lengths: list[int], row_len: int) -> list[tuple[int, int]]:
@@ -40,10 +40,32 @@ def first_fit_decreasing(lengths: list[int], row_len: int) -> list[tuple[int, in
     return where
 
 
-def pack(examples: list[Example], row_len: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A batch of examples -> packed rows (see the module docstring for the keys)."""
+def consecutive_rows(lengths: list[int], row_sizes: list[int], row_len: int) -> list[tuple[int, int]]:
+    """(row, start) when the first row_sizes[0] items fill row 0 in order, the next row_sizes[1] row 1, ..."""
+    if sum(row_sizes) != len(lengths):
+        raise ValueError(f"row sizes {row_sizes} do not add up to {len(lengths)} examples")
+    where, i = [], 0
+    for r, k in enumerate(row_sizes):
+        start = 0
+        for n in lengths[i : i + k]:
+            where.append((r, start))
+            start += n
+        if start > row_len:
+            raise ValueError(f"row {r} holds {start} tokens, more than the row length {row_len}")
+        i += k
+    return where
+
+
+def pack(
+    examples: list[Example], row_len: int, pad_id: int = 0, row_sizes: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """A batch of examples -> packed rows (see the module docstring for the keys). row_sizes: the
+    rows are given (TokenBatches: the first row_sizes[0] examples share row 0, in order, ...);
+    else first-fit decreasing places them."""
     lengths = [len(e.input_ids) for e in examples]
-    where = first_fit_decreasing(lengths, row_len)
+    where = (
+        first_fit_decreasing(lengths, row_len) if row_sizes is None else consecutive_rows(lengths, row_sizes, row_len)
+    )
     R = 1 + max(r for r, _ in where)
     T = max(s + n for (_, s), n in zip(where, lengths))
     ids = torch.full((R, T), pad_id, dtype=torch.long)
@@ -125,3 +147,85 @@ def pad_batch_rows(b: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Ten
         else:
             out[k] = torch.cat([v, v.new_zeros((extra, T))])
     return out
+
+
+def plan_rows(lengths: list[int], order: list[int], row_len: int, window: int = 64) -> list[list[int]]:
+    """Rows of row_len tokens filled first-fit with whole examples taken in `order`: each goes into the
+    first of the `window` most recently opened rows that has room, else into a new row. Rows come in
+    the order they were opened, each listing its examples in the order they came. O(len(order) * window)."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    open_rows: list[int] = []  # rows still taking examples, oldest first
+    for i in order:
+        n = lengths[i]
+        if n > row_len:
+            raise ValueError(f"example {i} has {n} tokens, more than the row length {row_len}")
+        r = next((j for j in open_rows if fill[j] + n <= row_len), None)
+        if r is None:
+            r = len(rows)
+            rows.append([])
+            fill.append(0)
+            open_rows.append(r)
+            if len(open_rows) > window:
+                open_rows.pop(0)
+        rows[r].append(i)
+        fill[r] += n
+        if fill[r] == row_len:
+            open_rows.remove(r)
+    return rows
+
+
+class TokenBatches:
+    """Global batches of a fixed token budget: every step is `rows` rows of row_len tokens filled
+    first-fit (plan_rows) with whole examples of epoch e's permutation (seeded by (seed, e) as in
+    GlobalBatches); an epoch's last rows short of a full step wait for no one (dropped, like the
+    remainder of GlobalBatches). So every step has the same row count (one compiled shape, no rows
+    of padding) and its rows are nearly full, whatever the conversations' lengths.
+
+    The plan is a pure function of (lengths, rows, row_len, seed): resume and any number of ranks
+    see the same steps. Rank r of W takes the r-th contiguous block of rows / W rows of each step,
+    so one rank trains the same rows as W ranks together."""
+
+    def __init__(self, lengths: list[int], rows: int, row_len: int, seed: int):
+        if rows < 1:
+            raise DataError(f"a token budget of less than one row of {row_len} tokens")
+        self.lengths, self.rows, self.row_len, self.seed = list(lengths), rows, row_len, seed
+        self._steps: list[int] = []  # steps of epochs 0, 1, ... (each needs its plan once)
+        self._plan_epoch, self._plan = -1, []
+        self.per_epoch = self._epoch_steps(0)
+        if self.per_epoch == 0:
+            raise DataError(
+                f"the data fill only {len(self._rows_of(0))} rows of {row_len} tokens, fewer than one step's {rows}"
+            )
+
+    def _rows_of(self, epoch: int) -> list[list[int]]:
+        if epoch != self._plan_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(len(self.lengths), generator=g).tolist()
+            self._plan, self._plan_epoch = plan_rows(self.lengths, perm, self.row_len), epoch
+        return self._plan
+
+    def _epoch_steps(self, epoch: int) -> int:
+        while len(self._steps) <= epoch:
+            self._steps.append(len(self._rows_of(len(self._steps))) // self.rows)
+        return self._steps[epoch]
+
+    def step_rows(self, step: int, rank: int = 0, world: int = 1) -> list[list[int]]:
+        """This rank's rows of step `step`: lists of example indices."""
+        if self.rows % world:
+            raise ValueError(f"{self.rows} rows a step do not split over {world} ranks")
+        epoch = 0
+        while step >= self._epoch_steps(epoch):
+            step -= self._epoch_steps(epoch)
+            epoch += 1
+        rows = self._rows_of(epoch)[step * self.rows : (step + 1) * self.rows]
+        k = self.rows // world
+        return rows[rank * k : (rank + 1) * k]
+
+    def indices(self, step: int, rank: int = 0, world: int = 1) -> list[int]:
+        return [i for row in self.step_rows(step, rank, world) for i in row]
+
+    def first(self, step: int, rank: int = 0, world: int = 1) -> int:
+        """How many examples of the step the ranks before `rank` hold (its examples' global offset)."""
+        k = self.rows // world
+        return sum(len(r) for r in self.step_rows(step)[: rank * k])

@@ -1,6 +1,7 @@
 """How full train.py's rows are on the packaged chats: real tokens / row tokens over one epoch of
 GlobalBatches, one conversation per row (padded to the batch's longest, or to --max-len as
---pad-to-max-len / --compile do) against packed rows (data/packing.py). Data only: no model runs,
+--pad-to-max-len / --compile do) against packed rows (data/packing.py), and --batch-tokens' rows
+(TokenBatches, 8 rows a step, each padded to --max-len). Data only: no model runs,
 so the numbers hold on any hardware. One JSON line per (max_len, batch) appended to
 experiments/results/packing_efficiency.jsonl and printed.
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.datasets import GlobalBatches, build_examples, load_records  # noqa: E402
-from data.packing import first_fit_decreasing  # noqa: E402
+from data.packing import TokenBatches, first_fit_decreasing  # noqa: E402
 from models.target import load_tokenizer, resolve_target  # noqa: E402
 
 
@@ -44,6 +45,20 @@ def epoch_efficiency(lengths: list[int], max_len: int, batch: int, seed: int = 0
     }
 
 
+def token_budget_efficiency(lengths: list[int], max_len: int, rows: int = 8, seed: int = 0) -> dict:
+    """--batch-tokens rows * max_len: one epoch of TokenBatches, every row padded to --max-len (rounded up to
+    the flex block, as train.py does); also the share of the epoch's conversations it trains."""
+    tb = TokenBatches(lengths, rows, max_len, seed)
+    real = sum(lengths[i] for s in range(tb.per_epoch) for i in tb.indices(s))
+    trained = sum(len(tb.indices(s)) for s in range(tb.per_epoch))
+    return {
+        "token_budget_rows": rows,
+        "token_budget": real / (tb.per_epoch * rows * -(-max_len // 128) * 128),
+        "token_budget_conversations_per_step": trained / tb.per_epoch,
+        "token_budget_epoch_share": trained / len(lengths),
+    }
+
+
 @dataclasses.dataclass
 class Args:
     data: str = "sharegpt-greedy"
@@ -63,6 +78,7 @@ def main(a: Args):
     for max_len in a.max_len:
         stats = Counter()
         lengths = [len(e.input_ids) for e in build_examples(records, tok, max_len, stats)]
+        budget = token_budget_efficiency(lengths, max_len)
         for batch in a.batch_size:
             row = {
                 "data": a.data,
@@ -71,6 +87,7 @@ def main(a: Args):
                 "max_len": max_len,
                 "batch": batch,
                 **epoch_efficiency(lengths, max_len, batch),
+                **budget,
                 "date": time.strftime("%Y-%m-%d"),
             }
             print(json.dumps(row), flush=True)

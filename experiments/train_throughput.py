@@ -63,7 +63,9 @@ class Args:
     harness: bool = True
     modes: tuple[str, ...] = ("pack", "compile")
     """train.py runs, one row each: pack = --pack on (eager draft step), compile = --compile --pack off (one
-    conversation per row, padded to --max-len), pack-compile = both (refused on a GPU today: packing_blocker)"""
+    conversation per row, padded to --max-len), pack-compile = both (refused on a GPU today: packing_blocker),
+    tokens / tokens-compile = pack / pack-compile with --batch-tokens --harness-batch x --max-len (the harness's
+    row count, rows filled first-fit: one shape, no rows of padding)"""
     extra: tuple[str, ...] = ()
     """more train.py flags"""
     work: Path = Path("/tmp/train_throughput")
@@ -110,9 +112,12 @@ def train_py_figures(out: Path, skip_windows: int) -> dict:
     pk = meta["results"]["packing"]
     steps = meta["config"]["steps"]
     peak = meta.get("peak_memory", {}).get("cuda_max_allocated_bytes")
+    bt = meta["config"].get("batch_tokens", 0)
     return {
-        "batch": meta["config"]["batch_size"],
-        "batch_unit": "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
+        "batch": bt or meta["config"]["batch_size"],
+        "batch_unit": "tokens per step (--batch-tokens), packed"
+        if bt
+        else "conversations per step" + (", packed" if pk["packed"] else ", one per row"),
         "rows_per_step": pk["row_tokens"] / pk["row_len"] / steps if steps else None,
         "tokens_per_step": statistics.median(r["real_tokens_per_s"] * r["step_seconds"] for r in kept),
         "real_tokens_per_s": statistics.median(r["real_tokens_per_s"] for r in kept),
@@ -154,6 +159,9 @@ MODES = {
     "pack": ["--pack", "on"],
     "compile": ["--compile", "--pack", "off"],
     "pack-compile": ["--compile", "--pack", "on"],
+    # the harness's own shape: --batch-tokens = --harness-batch rows of --max-len, filled first-fit (TokenBatches)
+    "tokens": ["--pack", "on"],
+    "tokens-compile": ["--compile", "--pack", "on"],
 }
 
 
@@ -163,11 +171,16 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
     cmd += ["--max-len", str(a.max_len), "--batch-size", str(a.batch_size), "--steps", str(a.steps)]
     cmd += ["--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size), "--holdout", "8"]
     cmd += ["--log-every", str(a.log_every), "--out", str(out), "--overwrite", *MODES[mode]]
+    env = None
+    if mode.startswith("tokens"):
+        cmd += ["--batch-tokens", str(a.harness_batch * a.max_len)]
+        if mode == "tokens-compile":  # past train.packing_blocker's GPU guard: this run is the measurement
+            env = {**os.environ, "NANOSPEC_TRY_PACK_COMPILE": "1"}
     if not a.smoke:
         cmd += ["--backend", "compiled"]
     cmd += list(a.extra)
     t = time.time()
-    run(cmd, log)
+    run(cmd, log, env)
     return {
         "path": "train.py",
         "mode": mode,
@@ -183,7 +196,8 @@ def main(a: Args):
 
     if a.smoke:
         a.target, a.max_len, a.steps, a.log_every, a.skip_windows, a.harness = "tiny", 256, 6, 2, 0, False
-        a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length, a.modes = 4, 64, 40, 2, ("pack",)
+        a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length, a.modes = 4, 64, 40, 2, ("pack", "tokens")
+        a.harness_batch = 4  # tokens: 4 rows of 256 a step
         a.out, a.work = Path("/tmp/train_throughput_smoke.jsonl"), Path("/tmp/train_throughput_smoke")
         a.out.unlink(missing_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)

@@ -256,15 +256,19 @@ def test_reply_stats(tmp_path):
 
 
 def test_train_throughput_rows():
-    """experiments/train_throughput.py --smoke: train.py packed on the packaged chats, one row with the fields
+    """experiments/train_throughput.py --smoke: train.py packed on the packaged chats (by conversations and by
+    --batch-tokens), one row each with the fields
     the throughput table needs, taken from the run's own metrics (after the warm-up steps)."""
     out = Path("/tmp/train_throughput_smoke.jsonl")
     run(["experiments/train_throughput.py", "--smoke"])
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    for k in ("model", "path", "seq", "batch", "padded_tokens_per_s", "packing_efficiency", "command", "date"):
-        assert k in row, k
-    assert row["path"] == "train.py" and row["seq"] == 256 and "--pack on" in row["command"]
-    assert row["padded_tokens_per_s"] >= row["real_tokens_per_s"] > 0 and 0.5 < row["packing_efficiency"] <= 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["pack", "tokens"]
+    for row in rows:
+        for k in ("model", "path", "seq", "batch", "padded_tokens_per_s", "packing_efficiency", "command", "date"):
+            assert k in row, k
+        assert row["path"] == "train.py" and row["seq"] == 256 and "--pack on" in row["command"]
+        assert row["padded_tokens_per_s"] >= row["real_tokens_per_s"] > 0 and 0.5 < row["packing_efficiency"] <= 1
+    assert "--batch-tokens 1024" in rows[1]["command"] and "--batch-tokens" not in rows[0]["command"]
 
 
 def test_train_throughput_takes_the_ratio_from_an_earlier_call(tmp_path):

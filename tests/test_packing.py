@@ -433,6 +433,62 @@ def test_pad_batch_rows():
     assert set(got[32:64]) == {40, 48, 56, 64}  # 33..64 rows: four shapes
 
 
+def test_token_batches_plan():
+    """--batch-tokens: every step has the same row count, no row over its length, each example at most
+    once an epoch (only an epoch's last rows short of a step wait), rows nearly full; ranks split a step's
+    rows in order (one rank trains what two do), and the plan is a pure function of its inputs (resume)."""
+    from data.chat import DataError
+    from data.packing import TokenBatches, plan_rows
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 300, (500,), generator=g).tolist()
+    rows = plan_rows(lengths, list(range(500)), 512)
+    assert sorted(i for r in rows for i in r) == list(range(500))
+    assert all(sum(lengths[i] for i in r) <= 512 for r in rows)
+    assert sum(lengths) / (512 * len(rows)) > 0.95  # first-fit over a window of open rows: nearly full
+    assert all(r == sorted(r) for r in rows)  # a row's examples in the order they came
+    with pytest.raises(ValueError, match="example 1 has 600 tokens"):
+        plan_rows([10, 600], [0, 1], 512)
+
+    tb = TokenBatches(lengths, rows=8, row_len=512, seed=3)
+    per = tb.per_epoch
+    assert (
+        per
+        == len(
+            plan_rows(lengths, torch.randperm(500, generator=torch.Generator().manual_seed(3_000_009)).tolist(), 512)
+        )
+        // 8
+    )
+    for epoch in (0, 1):
+        seen = [i for s in range(epoch * per, (epoch + 1) * per) for i in tb.indices(s)]
+        assert len(seen) == len(set(seen)) > 0.9 * 500
+    for s in (0, per - 1, per, 2 * per + 3):  # within and across epochs
+        one = tb.step_rows(s)
+        assert len(one) == 8 and all(sum(lengths[i] for i in r) <= 512 for r in one)
+        assert tb.step_rows(s, 0, 2) + tb.step_rows(s, 1, 2) == one
+        assert tb.indices(s, 1, 2) == [i for r in one[4:] for i in r] and tb.first(s, 1, 2) == sum(map(len, one[:4]))
+        assert TokenBatches(lengths, 8, 512, 3).step_rows(s) == one  # a fresh plan (resume) gives the same step
+    assert TokenBatches(lengths, 8, 512, 4).step_rows(0) != tb.step_rows(0)
+    with pytest.raises(ValueError, match="do not split over 3 ranks"):
+        tb.step_rows(0, 0, 3)
+    with pytest.raises(DataError, match="fewer than one step"):
+        TokenBatches(lengths[:10], rows=8, row_len=512, seed=0)
+
+
+def test_pack_given_rows():
+    """pack(row_sizes=...) puts the examples into the rows as given, in order; a row over its length is an error."""
+    ex = [Example([1, 2, 3], [0, 1, 1]), Example([4, 5], [1, 1]), Example([6] * 4, [1] * 4)]
+    b = pack(ex, row_len=6, row_sizes=[2, 1])
+    assert b["where"].tolist() == [[0, 0], [0, 3], [1, 0]]
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 6, 6, 6, 0]]
+    assert b["doc_ids"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, -1]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
+    with pytest.raises(ValueError, match="row 0 holds 9 tokens"):
+        pack(ex, row_len=6, row_sizes=[3])
+    with pytest.raises(ValueError, match="do not add up"):
+        pack(ex, row_len=6, row_sizes=[1, 1])
+
+
 def test_what_cannot_pack_is_named():
     """train.py packs only where documents stay apart: otherwise --pack on refuses and auto runs unpacked."""
     import dataclasses

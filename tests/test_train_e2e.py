@@ -52,8 +52,13 @@ def assert_runs_agree(one, two, keys=("loss", "loss_0", "loss_2", "acc_0"), para
             torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-# one conversation per row; packed rows (at --max-len 256 the tiny chats, 76..218 tokens, share rows)
-LAYOUTS = {"rows": ["--pack", "off"], "packed": ["--pack", "on", "--max-len", "256"]}
+# one conversation per row; packed rows (at --max-len 256 the tiny chats, 76..218 tokens, share rows);
+# tokens: a fixed token budget a step (--batch-tokens: 4 rows of 256, filled first-fit; data/packing.TokenBatches)
+LAYOUTS = {
+    "rows": ["--pack", "off"],
+    "packed": ["--pack", "on", "--max-len", "256"],
+    "tokens": ["--pack", "on", "--max-len", "256", "--batch-tokens", "1024"],
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
