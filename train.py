@@ -81,7 +81,8 @@ class TrainConfig:
     """drafted tokens K trained per position: TTT steps (eagle3), parallel depths (peagle), block
     predictions (dflash/domino: blocks of K+1 after the clean anchor; dspark: blocks of K)"""
     objective: str = "auto"
-    """eagle3: kl (default) | lk-alpha | lk-lambda (LK losses); peagle: kl; dflash: ce (default, per-slot hard CE) |
+    """eagle3: kl (default) | lk-alpha | lk-lambda (LK losses) | tv | rkl | jsd (per-row divergences, as in
+    speculators; models/eagle3.py); peagle: kl; dflash: ce (default, per-slot hard CE) |
     dpace (slots reweighted by detached prefix-acceptance estimates); domino: ce; dspark: ce-l1-conf"""
     fc_norm: bool = False
     """EAGLE-3.1 (eagle3/peagle): one RMSNorm per aux source before fc"""

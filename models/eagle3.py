@@ -33,6 +33,11 @@ of each trained row directly:
              (w detached: a trust region that hands over from KL to α as acceptance grows)
 The batch mean is over the global batch: the α sums are all-reduced (detached), and each rank's
 share of -log(Σα/N) is written so that the ranks' gradients sum to the exact global gradient.
+The divergences speculators also trains with, per trained row and then averaged over the rows
+like kl (q = the draft's softmax over the draft vocab, p = the target's):
+  tv    loss_k = mean_rows ½ Σ_v |p_v - q_v|                 (= 1 - α, per row: LK's α, no log)
+  rkl   loss_k = mean_rows KL(q ‖ p)                          (mode seeking)
+  jsd   loss_k = mean_rows ½ KL(p ‖ m) + ½ KL(q ‖ m),  m = (p + q) / 2
 """
 
 from dataclasses import asdict, dataclass, field
@@ -68,7 +73,8 @@ ATTENTION = {
 # Triton soft-CE whose backward overwrites the logits in place (plain torch on CPU); fused =
 # chunked linear + CE, the [rows, Vd] logits never exist at once.
 LOSSES = ("torch", "triton", "fused")
-OBJECTIVES = ("kl", "lk-alpha", "lk-lambda")
+DIVERGENCES = ("tv", "rkl", "jsd")  # per-row divergences, a mean over the trained rows like kl
+OBJECTIVES = ("kl", "lk-alpha", "lk-lambda", *DIVERGENCES)
 LK_KL_SCALE, LK_KL_DECAY = 1.0, 3.0  # lk-lambda: w = 1 at α = 0, 0.05 at α = 1
 
 
@@ -229,7 +235,7 @@ class Eagle3Draft(nn.Module):
         host): the trained rows of each step, so nothing here waits for the GPU (the default
         selects them on the device with nonzero(), a host sync per step). Returns the weighted
         loss and detached per-step sums {loss_sum, correct} for logging (loss_sum: Σ CE for kl,
-        Σ (1 - α) for the LK objectives)."""
+        Σ (1 - α) for the LK objectives, Σ divergence for tv / rkl / jsd)."""
         attend = ATTENTION[attention](ttt_length)
         if batch.doc_ids is not None:  # packed rows: step-0 keys of the query's own document only
             attend = _with_documents(attend, batch.doc_ids)
@@ -262,8 +268,12 @@ class Eagle3Draft(nn.Module):
                 src = torch.where(valid, sel + 1 + k, 0)
                 p, top = batch.target_p.reshape(B * T, -1)[src], batch.target_top.reshape(-1)[src]
                 weight = valid & self.t2d[top]
-            if objective == "kl":
-                loss_sum, top_draft = self.head_loss(out.reshape(B * T, -1)[sel], p, weight, loss)
+            if objective == "kl" or objective in DIVERGENCES:
+                h = out.reshape(B * T, -1)[sel]
+                if objective == "kl":
+                    loss_sum, top_draft = self.head_loss(h, p, weight, loss)
+                else:
+                    loss_sum, top_draft = self.divergence_loss(h, p, weight, objective)
                 total = total + (0.8**k) * loss_sum / counts[k, 1].clamp(min=1)
             else:
                 loss_k, loss_sum, top_draft = self.lk_loss(
@@ -291,6 +301,24 @@ class Eagle3Draft(nn.Module):
         logits = logits.float()
         ce = -(p_NV * logits.log_softmax(-1)).sum(-1)
         return (ce * mask_N).sum(), logits.argmax(-1)
+
+    def divergence_loss(self, hidden_NH, p_NV, mask_N, objective: str):
+        """Σ mask · D(p, q) of one TTT step (tv / rkl / jsd, module docstring) and the draft's argmax
+        per row. The probabilities are needed, so the head runs in plain torch whatever --loss says."""
+        logits = self.lm_head(self.norm(hidden_NH)).float()
+        logq = logits.log_softmax(-1)
+        q = logq.exp()
+        if objective == "tv":
+            d = 0.5 * (p_NV - q).abs().sum(-1)
+        elif objective == "rkl":  # p is a softmax, but may underflow to 0 in fp32: log p stays finite
+            d = (q * (logq - p_NV.clamp(min=1e-38).log())).sum(-1)
+        elif objective == "jsd":
+            logm = (0.5 * (p_NV + q)).clamp(min=1e-38).log()
+            d = 0.5 * (torch.xlogy(p_NV, p_NV) - p_NV * logm).sum(-1) + 0.5 * (q * (logq - logm)).sum(-1)
+        else:
+            raise ValueError(f"unknown objective {objective!r}: choose one of {OBJECTIVES}")
+        w = mask_N.float()
+        return (d * w).sum(), torch.where(w > 0, logits.argmax(-1), -1)
 
     def lk_loss(self, hidden_NH, p_NV, mask_N, n_global, objective: str):
         """One TTT step of an LK objective -> (this rank's loss term, Σ (1 - α), argmax). The

@@ -13,9 +13,11 @@ from tests.test_train_e2e import run_train, train_rows
 from tests.tiny import to_device
 
 
-def loss_and_grads(draft, batch, ttt, attention, loss, rows=None, step=None):
+def loss_and_grads(draft, batch, ttt, attention, loss, rows=None, step=None, objective="kl"):
     counts = local_counts(batch, draft.t2d, ttt)
-    total, stats = (draft if step is None else step)(batch, ttt, counts, attention, loss, rows=rows)
+    total, stats = (draft if step is None else step)(
+        batch, ttt, counts, attention, loss, rows=rows, objective=objective
+    )
     return total, stats, torch.autograd.grad(total, list(draft.parameters()))
 
 
@@ -57,6 +59,22 @@ def test_compiled_step_equals_eager():
         loss_and_grads(draft, batch, ttt, "lse", "triton", rows, step),
         loss_and_grads(draft, batch, ttt, "lse", "triton"),
     )
+
+
+@pytest.mark.parametrize("objective", ["tv", "rkl", "jsd"])
+def test_divergences_host_rows_and_compiled(objective):
+    """The divergence objectives on the fast path: host-chosen rows (with padding rows) and, for jsd
+    (the one with the most ops; each compile costs ~40 s of CI), the compiled step give the
+    device-rows eager numbers."""
+    torch._dynamo.reset()
+    draft, batch, _, _ = setup(seed=4)
+    ttt = 2
+    rows = select_rows(batch.loss_mask, ttt, multiple=16)
+    assert (rows < 0).any()
+    eager = loss_and_grads(draft, batch, ttt, "lse", "torch", objective=objective)
+    assert_same(loss_and_grads(draft, batch, ttt, "lse", "torch", rows, objective=objective), eager)
+    if objective == "jsd":
+        assert_same(loss_and_grads(draft, batch, ttt, "lse", "torch", rows, torch.compile(draft), objective), eager)
 
 
 def test_prefetcher_order_passthrough_and_errors():

@@ -1,10 +1,12 @@
-"""EAGLE-3.1 (fc_norm, norm_output) and the LK objectives against brute force: every chain drafted
-token by token through a real KV cache, the loss assembled row by row from its definition."""
+"""EAGLE-3.1 (fc_norm, norm_output), the LK objectives and the divergences (tv, rkl, jsd) against
+brute force: every chain drafted token by token through a real KV cache, the loss assembled row by
+row from its definition."""
 
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import export
 from models.eagle3 import LK_KL_DECAY, LK_KL_SCALE, Eagle3Config, Eagle3Draft, local_counts
@@ -43,6 +45,17 @@ def brute_rows(draft, batch, lengths, ttt):
     return rows
 
 
+def divergence(z, p, objective):
+    """Per-row tv / rkl / jsd between target p and the draft's softmax(z), through F.kl_div."""
+    q = z.softmax(-1)
+    if objective == "tv":
+        return 1 - torch.minimum(p, q).sum(-1)
+    if objective == "rkl":  # kl_div(input = log p, target = q) = KL(q || p)
+        return F.kl_div(p.log(), q, reduction="none").sum(-1)
+    m = (p + q) / 2
+    return 0.5 * F.kl_div(m.log(), p, reduction="none").sum(-1) + 0.5 * F.kl_div(m.log(), q, reduction="none").sum(-1)
+
+
 def reference_loss(rows, objective):
     total = 0.0
     for k, rk in enumerate(rows):
@@ -55,6 +68,8 @@ def reference_loss(rows, objective):
         ce = -(p * z.log_softmax(-1)).sum(-1)
         if objective == "kl":
             lk = ce.mean()
+        elif objective in ("tv", "rkl", "jsd"):
+            lk = divergence(z, p, objective).mean()
         elif objective == "lk-alpha":
             lk = -torch.log(alpha.mean())
         else:
@@ -64,7 +79,7 @@ def reference_loss(rows, objective):
     return total
 
 
-@pytest.mark.parametrize("objective", ["kl", "lk-alpha", "lk-lambda"])
+@pytest.mark.parametrize("objective", ["kl", "lk-alpha", "lk-lambda", "tv", "rkl", "jsd"])
 @pytest.mark.parametrize("options", [(False, False), (True, True), (False, True)])
 def test_eagle31_and_lk_match_brute_force(objective, options):
     draft, batch, lengths, ttt = setup(seed=1)
@@ -80,7 +95,11 @@ def test_eagle31_and_lk_match_brute_force(objective, options):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
     correct = [sum(int(draft.draft_ids[z.argmax()] == top) for z, _, top, _ in rk) for rk in rows]
     assert stats["correct"].tolist() == correct
-    if objective != "kl":  # logged loss_k = 1 - mean α over the trained rows
+    if objective in ("rkl", "jsd"):  # logged: Σ divergence over the trained rows
+        for k, rk in enumerate(rows):
+            want = sum(divergence(z[None], p[None], objective).sum() for z, p, _, ok in rk if ok)
+            torch.testing.assert_close(stats["loss_sum"][k], torch.as_tensor(want).float(), rtol=1e-5, atol=1e-5)
+    elif objective != "kl":  # logged loss_k = 1 - mean α over the trained rows (tv: the same per row)
         for k, rk in enumerate(rows):
             one_minus = sum(1 - torch.minimum(p, z.softmax(-1)).sum() for z, p, _, ok in rk if ok)
             torch.testing.assert_close(stats["loss_sum"][k], torch.as_tensor(one_minus).float(), rtol=1e-5, atol=1e-5)
