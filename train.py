@@ -265,8 +265,6 @@ def validate(cfg: TrainConfig, world: int | None = None):
             f"--batch-tokens {cfg.batch_tokens} gives {cfg.batch_tokens // cfg.max_len} rows of --max-len {cfg.max_len}"
             f" a step: they must split evenly over the {world // cfg.tp} data-parallel ranks"
         )
-    if cfg.batch_tokens and (cfg.deploy.role or cfg.deploy.producers):
-        raise ConfigError("--batch-tokens with disaggregated producers is not supported yet: use --batch-size")
     if cfg.resume and cfg.init_draft:
         raise ConfigError("--resume continues the run in --out with its own weights; --init-draft starts a new one")
     if cfg.resume and cfg.overwrite:

@@ -259,3 +259,7 @@ class GlobalBatches:
         batch = self._perm[i * self.global_batch : (i + 1) * self.global_batch]
         local = self.global_batch // world
         return batch[rank * local : (rank + 1) * local]
+
+    def first(self, step: int, rank: int = 0, world: int = 1) -> int:
+        """How many examples of the step the ranks before `rank` hold (as TokenBatches.first)."""
+        return rank * (self.global_batch // world)

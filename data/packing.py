@@ -190,6 +190,7 @@ class TokenBatches:
         if rows < 1:
             raise DataError(f"a token budget of less than one row of {row_len} tokens")
         self.lengths, self.rows, self.row_len, self.seed = list(lengths), rows, row_len, seed
+        self.n = len(self.lengths)  # examples (GlobalBatches' name: the plan's eval ids start here)
         self._steps: list[int] = []  # steps of epochs 0, 1, ... (each needs its plan once)
         self._plan_epoch, self._plan = -1, []
         self.per_epoch = self._epoch_steps(0)

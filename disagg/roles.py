@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from config import dump_yaml
 from data.chat import DataError
 from data.datasets import GlobalBatches, build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
+from data.packing import TokenBatches
 from disagg.control import Controller, PipelineError, plan_items
 from disagg.mooncake_store import MooncakeFeatureStore, start_master
 from distributed import destroy, pick_device
@@ -50,16 +52,31 @@ def store_spec(cfg) -> str:
     return cfg.deploy.store or str(control_dir(cfg) / "features")
 
 
-def watermarks(cfg) -> tuple[int, int, int]:
-    """(lease size, high, low) in samples, checked so the pipeline cannot deadlock."""
-    d, B = cfg.deploy, cfg.batch_size
+def watermarks(cfg, B: int) -> tuple[int, int, int]:
+    """(lease size, high, low) in samples, checked so the pipeline cannot deadlock. B: the most
+    samples one step has (--batch-size; with --batch-tokens the fullest step of the plan)."""
+    d = cfg.deploy
     n, high, low = d.lease_size or B, d.high_watermark or 4 * B, d.low_watermark or 2 * B
     if high < B or not 0 <= low < high:
         raise SystemExit(
-            f"watermarks: need --high-watermark >= --batch-size ({B}) and 0 <= --low-watermark < "
+            f"watermarks: need --high-watermark >= the largest step ({B} samples) and 0 <= --low-watermark < "
             f"--high-watermark; got high {high}, low {low}"
         )
     return min(n, high), high, low
+
+
+def plan_batches(cfg, train):
+    """The run's data order, as train.py's Trainer builds it: GlobalBatches of --batch-size, or with
+    --batch-tokens TokenBatches of rows of --max-len (every conversation here was tokenized within
+    --max-len, so the Trainer's rows are --max-len too)."""
+    if cfg.batch_tokens:
+        return TokenBatches([len(e.input_ids) for e in train], cfg.batch_tokens // cfg.max_len, cfg.max_len, cfg.seed)
+    return GlobalBatches(len(train), cfg.batch_size, cfg.seed)
+
+
+def largest_step(items) -> int:
+    """The most train samples one step of the plan [(pos, step, sample)] has."""
+    return max(Counter(s for _, s, _ in items if s >= 0).values(), default=0)
 
 
 def plan_fingerprint(cfg, train, evals, total: int) -> dict:
@@ -69,6 +86,7 @@ def plan_fingerprint(cfg, train, evals, total: int) -> dict:
         "train": len(train),
         "eval": len(evals),
         "batch_size": cfg.batch_size,
+        "batch_tokens": cfg.batch_tokens,
         "seed": cfg.seed,
         "steps": total,
     }
@@ -119,12 +137,13 @@ def produce(cfg, vllm_target=None):
     examples = build_examples(load_records(cfg.data, cfg.num_records or None), load_tokenizer(target_dir), cfg.max_len)
     train, evals = split_holdout(examples, cfg.holdout)
     samples = train + evals  # sample id = index here (the plan's ids)
-    batches = GlobalBatches(len(train), cfg.batch_size, cfg.seed)
+    batches = plan_batches(cfg, train)
     total = cfg.steps or batches.per_epoch
     fp = plan_fingerprint(cfg, train, evals, total)
     ctl = Controller(control_dir(cfg), d.lease_timeout, d.max_attempts)
-    ctl.init_plan(plan_items(batches, total, len(evals)), fp, cfg.batch_size)
-    n, high, low = watermarks(cfg)
+    items = plan_items(batches, total, len(evals))
+    ctl.init_plan(items, fp, cfg.batch_size)
+    n, high, low = watermarks(cfg, largest_step(items))
     target = load_target(cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target)
     H = target.config.hidden_size
     store = open_store(
@@ -230,7 +249,8 @@ def consumer_class(Trainer):
             refs = self.ctl.wait_step(step, self.cfg.deploy.producer_timeout)
             self._open_store()
             idx = self.batches.indices(step, self.rank, self.world)
-            local = refs[self.rank * len(idx) : (self.rank + 1) * len(idx)]
+            first = self.batches.first(step, self.rank, self.world)  # this rank's slice of the step's refs
+            local = refs[first : first + len(idx)]
             assert [r.id for r in local] == idx, (step, [r.id for r in local], idx)
             return self._attach([self.train_set[i] for i in idx], local)
 

@@ -354,3 +354,23 @@ def test_no_holdout_runs_to_the_end(tmp_path, tiny_run_inputs):
     finish(start(cmd, log), log, timeout=300)
     assert [r["step"] for r in curve(out)] == list(range(1, STEPS + 1))
     assert [p for p, _, _ in Controller(out / "pipeline").ledger()] == list(range(STEPS * 4))  # no eval positions first
+
+
+def test_token_batches_two_consumer_ranks_match_colocated(tmp_path, tiny_run_inputs):
+    """--batch-tokens through the pipeline: producers lay out the TokenBatches plan (steps of varying
+    sample counts), two consumer ranks take their rows' samples, and the run follows the colocated one."""
+    tokens = ["--pack", "on", "--max-len", "256", "--batch-tokens", "1024"]  # 4 packed rows of 256 a step
+    run_train(tmp_path / "colo", *tiny_run_inputs, 0, [*ARGS, *tokens])
+    out, log = tmp_path / "two", tmp_path / "two.log"
+    fast = ["--heartbeat", "0.2", "--lease-timeout", "2", "--lease-size", "2"]  # watermarks: from the largest step
+    cmd = train_cmd(out, *tiny_run_inputs, [*tokens, "--producers", 1, "--consumer-ranks", 2, *fast])
+    finish(start(cmd, log), log)
+    ctl = Controller(out / "pipeline")
+    ledger = ctl.ledger()
+    n_train = ctl.db.execute("SELECT COUNT(*) FROM items WHERE step>=0").fetchone()[0]
+    assert [p for p, _, _ in ledger] == list(range(4, 4 + n_train))  # every position once, after 4 eval samples
+    steps = [st for _, st, _ in ledger]
+    assert sorted(set(steps)) == list(range(STEPS)) and len({steps.count(st) for st in set(steps)}) > 1  # sizes vary
+    assert_same_curve(curve(tmp_path / "colo"), curve(out), rel=1e-4)
+    for k, v in final_params(tmp_path / "colo").items():
+        torch.testing.assert_close(final_params(out)[k], v, rtol=1e-4, atol=1e-5, msg=k)
