@@ -8,7 +8,7 @@
 #
 # On a two-GPU machine (nvidia-h200-x2), the v3 data and the loop-cut comparison (2026-12-01):
 # the repo (41 MiB) and a 47 MB half of the model no longer fit one 64 MiB call, so stage the model
-# in parts (.stage/q0..qN, `split -n 6 -d -a 1` of the .gguf, SHA256 beside the last): calls
+# in parts (.stage/q0..qN, `bash experiments/device_parts.sh 6`, SHA256 beside the last): calls
 # `bash .device/run_on_device.sh bash experiments/h200_useful_draft.sh stage` carrying .stage/qI,
 # then, carrying the last part and .stage/regen (s0/, s1/: the not-yet-regenerated prompts in halves):
 #   ... h200_useful_draft.sh regen2   # both halves at once (one per GPU), then finalize: merged
