@@ -31,7 +31,6 @@ from config import DeployConfig, cli
 from data.chat import DataError
 from data.datasets import (
     DEFAULT_DATA,
-    GlobalBatches,
     build_examples,
     collate,
     load_records,
@@ -39,7 +38,7 @@ from data.datasets import (
     tokenize_workers,
 )
 from data.feature_store import batch_features, open_for_training
-from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows
+from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.roles import consumer_target
@@ -527,6 +526,8 @@ class Trainer:
 
     def _load_data(self):
         cfg, stats = self.cfg, Counter()
+        if cfg.batch_tokens and not self.pack:  # before minutes of tokenizing
+            raise ConfigError("--batch-tokens fills packed rows, and packing is off in this run (see [data] above)")
         if self.store is not None:  # tokenized at capture time, exactly as below
             examples, n_records = self._stored, self.store.schema["data"]["records"]
             stats.update(self.store.schema["data"]["stats"])
@@ -537,7 +538,11 @@ class Trainer:
             examples, n_records = build_examples(src, self.tokenizer, cfg.max_len, stats, workers), len(records)
         try:
             self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
-            self.batches = GlobalBatches(len(self.train_set), cfg.batch_size, cfg.seed)
+            # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
+            # whose rows then grow to the longest (each conversation still fits one row)
+            longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
+            self.row_len = max(cfg.max_len, longest)
+            self.batches = plan_batches(cfg, self.train_set, self.row_len)
         except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
             counts = json.dumps(dict(stats, records=n_records))
             raise DataError(
@@ -547,21 +552,13 @@ class Trainer:
             ) from None
         self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
         self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
-        # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
-        # whose rows then grow to the longest (each conversation still fits one row)
-        longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
-        self.row_len = max(cfg.max_len, longest)
         if self.row_len > cfg.max_len:
             self.print(
                 f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
             )
         if cfg.batch_tokens:
-            if not self.pack:
-                raise ConfigError("--batch-tokens fills packed rows, and packing is off in this run (see [data] above)")
-            rows = cfg.batch_tokens // cfg.max_len
-            self.batches = TokenBatches([len(e.input_ids) for e in self.train_set], rows, self.row_len, cfg.seed)
             self.print(
-                f"[data] --batch-tokens {cfg.batch_tokens}: {rows} rows of {self.row_len} tokens a step, "
+                f"[data] --batch-tokens {cfg.batch_tokens}: {self.batches.rows} rows of {self.row_len} tokens a step, "
                 f"{self.batches.per_epoch} steps an epoch"
             )
         self.total_steps = cfg.steps or self.batches.per_epoch

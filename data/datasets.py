@@ -236,6 +236,11 @@ def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
 
 
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    """Epoch `epoch`'s order of n examples, seeded by (seed, epoch): GlobalBatches and TokenBatches."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
 class GlobalBatches:
     """Deterministic global batches: epoch e is a permutation seeded by (seed, e); step s of the
     run is batch s % per_epoch of epoch s // per_epoch. The data position is thus just the step,
@@ -254,8 +259,7 @@ class GlobalBatches:
             raise ValueError(f"global batch {self.global_batch} is not divisible by {world} ranks")
         epoch, i = divmod(step, self.per_epoch)
         if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+            self._perm, self._perm_epoch = epoch_permutation(self.n, self.seed, epoch), epoch
         batch = self._perm[i * self.global_batch : (i + 1) * self.global_batch]
         local = self.global_batch // world
         return batch[rank * local : (rank + 1) * local]

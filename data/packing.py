@@ -22,6 +22,7 @@ T is the fullest row's length (like collate's longest example), not always row_l
 import torch
 
 from data.chat import DataError, Example
+from data.datasets import GlobalBatches, epoch_permutation
 
 
 def first_fit_decreasing(lengths: list[int], row_len: int) -> list[tuple[int, int]]:
@@ -201,8 +202,7 @@ class TokenBatches:
 
     def _rows_of(self, epoch: int) -> list[list[int]]:
         if epoch != self._plan_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(len(self.lengths), generator=g).tolist()
+            perm = epoch_permutation(self.n, self.seed, epoch)
             self._plan, self._plan_epoch = plan_rows(self.lengths, perm, self.row_len), epoch
         return self._plan
 
@@ -230,3 +230,12 @@ class TokenBatches:
         """How many examples of the step the ranks before `rank` hold (its examples' global offset)."""
         k = self.rows // world
         return sum(len(r) for r in self.step_rows(step)[: rank * k])
+
+
+def plan_batches(cfg, train: list[Example], row_len: int):
+    """A run's data order, built alike by train.py's Trainer and the disaggregated producers: GlobalBatches
+    of cfg.batch_size conversations, or with cfg.batch_tokens TokenBatches of batch_tokens // max_len rows
+    of row_len tokens (row_len >= cfg.max_len: a feature store captured at a larger --max-len has longer rows)."""
+    if cfg.batch_tokens:
+        return TokenBatches([len(e.input_ids) for e in train], cfg.batch_tokens // cfg.max_len, row_len, cfg.seed)
+    return GlobalBatches(len(train), cfg.batch_size, cfg.seed)

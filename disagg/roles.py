@@ -32,9 +32,9 @@ import torch
 
 from config import dump_yaml
 from data.chat import DataError
-from data.datasets import GlobalBatches, build_examples, load_records, split_holdout
+from data.datasets import build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
-from data.packing import TokenBatches
+from data.packing import plan_batches
 from disagg.control import Controller, PipelineError, plan_items
 from disagg.mooncake_store import MooncakeFeatureStore, start_master
 from distributed import destroy, pick_device
@@ -63,15 +63,6 @@ def watermarks(cfg, B: int) -> tuple[int, int, int]:
             f"--high-watermark; got high {high}, low {low}"
         )
     return min(n, high), high, low
-
-
-def plan_batches(cfg, train):
-    """The run's data order, as train.py's Trainer builds it: GlobalBatches of --batch-size, or with
-    --batch-tokens TokenBatches of rows of --max-len (every conversation here was tokenized within
-    --max-len, so the Trainer's rows are --max-len too)."""
-    if cfg.batch_tokens:
-        return TokenBatches([len(e.input_ids) for e in train], cfg.batch_tokens // cfg.max_len, cfg.max_len, cfg.seed)
-    return GlobalBatches(len(train), cfg.batch_size, cfg.seed)
 
 
 def largest_step(items) -> int:
@@ -137,7 +128,7 @@ def produce(cfg, vllm_target=None):
     examples = build_examples(load_records(cfg.data, cfg.num_records or None), load_tokenizer(target_dir), cfg.max_len)
     train, evals = split_holdout(examples, cfg.holdout)
     samples = train + evals  # sample id = index here (the plan's ids)
-    batches = plan_batches(cfg, train)
+    batches = plan_batches(cfg, train, cfg.max_len)  # tokenized within --max-len: the Trainer's rows are too
     total = cfg.steps or batches.per_epoch
     fp = plan_fingerprint(cfg, train, evals, total)
     ctl = Controller(control_dir(cfg), d.lease_timeout, d.max_attempts)

@@ -176,3 +176,12 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_input
     step = int((out / "ckpt" / "latest").read_text().removeprefix("step_"))
     assert 2 <= step < 100000 and f"[stop] SIGTERM: after step {step}" in log
     assert train_rows(out)[-1]["step"] == step  # the checkpoint is the last step trained
+
+
+def test_batch_tokens_needs_packing(tmp_path, tiny_run_inputs):
+    """--batch-tokens with --pack off: one error line before any tokenizing, no traceback, nothing written."""
+    p = run_train(tmp_path / "r", *tiny_run_inputs, 0, ["--pack", "off", "--batch-tokens", "256"], check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode != 0 and "--batch-tokens fills packed rows" in text and "Traceback" not in text, text[-2000:]
+    assert not any(line.startswith("[data]") for line in text.splitlines())  # refused before tokenizing
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
