@@ -72,8 +72,11 @@ class GateConfig:
     max_loss: float = 0.8
     """loss_k threshold (soft CE against the target's distribution, k < K) on the final training
     step; its floor is the target's own entropy on the sample (about 0.7 for the default one)"""
-    min_acc: float = 0.95
-    """acc_k threshold (k < K) on the final training step"""
+    min_acc: float = 0.9
+    """acc_k threshold (k < K) on the final training step. On a ~50-token sample acc_k moves by
+    1-3 tokens from step to step even at the loss floor (near-ties in the target's distribution):
+    0.91-1.0 over steps 29-40 on one CPU (served τ 4.0 = K+1 after step 40), 0.943 at step 40 on
+    another; a broken draft scores far below, and stage 3 checks what is served"""
     # stage 3
     min_accept: float = 0.8
     """served mean accepted drafts per step, as a fraction of K (a draft at the training
