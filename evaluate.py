@@ -29,6 +29,7 @@ import torch
 import tyro
 
 from data.benchmarks import DATASETS, load_prompts
+from data.vocab import coverage_rows
 from models.eagle3 import Eagle3Proposer
 from models.families import FAMILIES
 from models.proposer import Proposer
@@ -355,10 +356,15 @@ def main(a: EvalArgs) -> dict:
             )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
         if isinstance(getattr(draft, "t2d", None), torch.Tensor):  # a token outside the draft vocab is never proposed
-            outs = torch.tensor([t for _, out, _ in turns for t in out], dtype=torch.long)
-            cover = draft.t2d.cpu()[outs].float().mean().item() if len(outs) else float("nan")
-            result.setdefault("draft_vocab_coverage", {})[ds] = round(cover, 4)
-            print(f"[{ds}] draft vocabulary covers {100 * cover:.1f}% of the target's output tokens", flush=True)
+            ks = sorted({k for k in a.k if k})
+            cov = coverage_rows([out for _, out, _ in turns], draft.t2d.cpu(), windows=ks)
+            result.setdefault("draft_vocab_coverage", {})[ds] = cov["coverage"]
+            result.setdefault("draft_vocab_windows", {})[ds] = {str(k): cov[f"window_{k}"] for k in ks}
+            whole = "".join(f"; all next {k} inside at {100 * cov[f'window_{k}']:.1f}% of positions" for k in ks)
+            print(
+                f"[{ds}] draft vocabulary covers {100 * cov['coverage']:.1f}% of the target's output tokens{whole}",
+                flush=True,
+            )
         if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
             tmp = Path(a.resume_file + ".tmp")
             tmp.write_text(json.dumps({"key": key, "results": result["results"]}))

@@ -37,3 +37,17 @@ def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[to
 def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
     """Target ids of the draft vocabulary, [Vd]."""
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def coverage_rows(outs: list[list[int]], in_vocab: torch.Tensor, windows=()) -> dict:
+    """How much of the replies `outs` (token ids, one list per reply) a draft vocabulary can propose,
+    for its mask t2d-style `in_vocab` [V] bool: tokens, coverage (share of the tokens inside) and
+    window_k for k in `windows` (share of positions whose next k tokens of the same reply are all
+    inside: only there can a chain of k drafts be accepted whole)."""
+    row = {"tokens": sum(map(len, outs))}
+    flags = [in_vocab[torch.tensor(o, dtype=torch.long)] if len(o) else torch.zeros(0, dtype=torch.bool) for o in outs]
+    row["coverage"] = round(float(torch.cat(flags).float().mean()), 4) if row["tokens"] else float("nan")
+    for k in windows:
+        full = sum(int(f.unfold(0, k, 1).all(1).sum()) if len(f) >= k else 0 for f in flags)
+        row[f"window_{k}"] = round(full / max(1, sum(max(0, len(f) - k + 1) for f in flags)), 4)
+    return row

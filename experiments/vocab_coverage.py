@@ -70,23 +70,12 @@ def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> lis
     return outs
 
 
-def coverage_rows(outs: list[list[int]], in_vocab: torch.Tensor, windows) -> dict:
-    """coverage and window_k of the replies `outs` for one vocabulary mask [V] bool."""
-    row = {"tokens": sum(map(len, outs))}
-    flags = [in_vocab[torch.tensor(o, dtype=torch.long)] if o else torch.zeros(0, dtype=torch.bool) for o in outs]
-    row["coverage"] = round(float(torch.cat(flags).float().mean()), 4)
-    for k in windows:
-        full = sum(int(f.unfold(0, k, 1).all(1).sum()) if len(f) >= k else 0 for f in flags)
-        row[f"window_{k}"] = round(full / max(1, sum(max(0, len(f) - k + 1) for f in flags)), 4)
-    return row
-
-
 def main(a: Args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from data.benchmarks import load_prompts
     from data.datasets import build_examples, load_records, split_holdout
-    from data.vocab import build_vocab_mapping, count_tokens
+    from data.vocab import build_vocab_mapping, count_tokens, coverage_rows
     from evaluate import eos_ids
     from models.target import load_tokenizer, resolve_target
     from runlog import git_commit, hardware, versions

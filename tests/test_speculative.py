@@ -337,6 +337,7 @@ def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
     # the draft vocabulary's share of the output tokens bounds what a chain can have accepted
     cover = res["draft_vocab_coverage"]["p"]
     assert 0.0 <= cover <= 1.0
+    assert set(res["draft_vocab_windows"]["p"]) == {"2", "3"}  # one share per chain length evaluated
     for name in ("eagle3-chain2", "eagle3-chain3"):
         assert r[name]["accepted"] <= cover * r[name]["new_tokens"] + 1e-9
 

@@ -1,13 +1,9 @@
-"""experiments/vocab_coverage.py's counting: coverage and full-window shares on hand-made replies."""
-
-import sys
-from pathlib import Path
+"""data/vocab.coverage_rows (experiments/vocab_coverage.py's and evaluate.py's counting): coverage
+and full-window shares on hand-made replies."""
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-
-from vocab_coverage import coverage_rows  # noqa: E402
+from data.vocab import coverage_rows
 
 
 def test_coverage_and_windows_by_hand():
@@ -21,3 +17,4 @@ def test_coverage_and_windows_by_hand():
     assert row["coverage"] == round(7 / 8, 4) == row["window_1"]
     assert row["window_3"] == round(1 / 3, 4)  # windows: 2 in a, 1 in b, 0 in c; only b's is full
     assert coverage_rows([[5, 6]], inside, windows=(3,))["window_3"] == 0.0  # too short for any window
+    assert coverage_rows([[]], inside)["coverage"] != coverage_rows([[]], inside)["coverage"]  # nan: no tokens
