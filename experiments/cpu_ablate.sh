@@ -5,8 +5,9 @@
 # Every variant trains the same EAGLE-3 draft from scratch on the shipped draft's data
 # (sharegpt-greedy, all records, the last $HOLDOUT held out) with the recipe's lr, one after another
 # with the same seed, so the data order is the same; only the variant's flags differ. On this CPU a
-# step of 4 chats at --max-len 384 takes 6-8 s, so the budget is ~1/1000 of the recipe's tokens. Their run.json and metrics.jsonl go to $DEST/<name>/, and one summary line per variant
-# (held-out acc_0..6 at the end and mid-way) to $DEST/summary.jsonl.
+# step of 4 chats at --max-len 384 takes 6-8 s, so 300 steps are ~0.3% of the recipe's tokens.
+# Their run.json and metrics.jsonl go to $DEST/<name>/, and one summary line per variant (held-out
+# acc_0..6 at the end and mid-way) to $DEST/summary.jsonl.
 #
 #   bash experiments/cpu_ablate.sh        # STEPS=300 BATCH=4 MAXLEN=384 HOLDOUT=64: 35-45 min per variant
 #   VARIANTS="base:|muon:--optimizer muon" bash experiments/cpu_ablate.sh
