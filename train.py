@@ -527,7 +527,10 @@ class Trainer:
     def _load_data(self):
         cfg, stats = self.cfg, Counter()
         if cfg.batch_tokens and not self.pack:  # before minutes of tokenizing
-            raise ConfigError("--batch-tokens fills packed rows, and packing is off in this run (see [data] above)")
+            raise ConfigError(
+                "--batch-tokens fills packed rows, and this run is not packed "
+                "(--pack off, or the [data] line above says why)"
+            )
         if self.store is not None:  # tokenized at capture time, exactly as below
             examples, n_records = self._stored, self.store.schema["data"]["records"]
             stats.update(self.store.schema["data"]["stats"])
