@@ -26,7 +26,7 @@ for v in "${VS[@]}"; do
   # shellcheck disable=SC2086
   ./dev python train.py --data sharegpt-greedy --num-records 0 --holdout "$HOLDOUT" --max-len "$MAXLEN" \
     --batch-size "$BATCH" --steps "$STEPS" --lr 3e-3 --eval-every $((STEPS / 2)) --out "$R" --overwrite \
-    --no-progress ${v#*:} 2>&1 | tee "$DEST/train_$name.log" | grep -E "eval|held|error|Error" || true
+    --no-progress ${v#*:} > "$DEST/train_$name.log" 2>&1 || { echo "[$name] train.py failed: $DEST/train_$name.log"; exit 1; }
   mkdir -p "$DEST/$name"
   cp "$R/run.json" "$R/metrics.jsonl" "$DEST/$name/"
   ./dev python - "$name" "${v#*:}" "$R" "$DEST/summary.jsonl" << 'EOF'
