@@ -735,6 +735,10 @@ class PromptsConfig:
     seed: int = 0
     system: str | None = None
     """an explicit system turn before the user's; default: what the chat template writes without one"""
+    user_prefix: tuple[str, ...] = ()
+    """steer the domain: each user prompt starts with one of these texts and the target writes the rest
+    (prompt j of batch b takes number (b * batch_size + j) mod their count), e.g. 'Write a Python
+    function that' for code; the kept prompt is the prefix plus what the target wrote"""
     min_words: int = 3
     batch_size: int = 64
     """prompts sampled together (one batch = one seed; on the slots engine, also the slots)"""
@@ -747,7 +751,7 @@ class PromptsConfig:
 
 
 _PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-_PROMPTS_SAME_ON_RESUME += ("system", "min_words", "batch_size", "engine", "dtype")
+_PROMPTS_SAME_ON_RESUME += ("system", "user_prefix", "min_words", "batch_size", "engine", "dtype")
 
 
 def _whole_batches(kept: list[dict], dropped: list[dict]) -> tuple[list[dict], list[dict], bool]:
@@ -784,6 +788,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
         "target": cfg.target,
         "target_fingerprint": fingerprint(target_dir),
         **{k: getattr(cfg, k) for k in _PROMPTS_SAME_ON_RESUME[1:]},
+        "user_prefix": list(cfg.user_prefix),  # as JSON reads it back on resume
         "engine": engine,
         "dtype": str(dtype).removeprefix("torch."),
         "prefix": tokenizer.decode(prefix),
@@ -791,9 +796,10 @@ def write_prompts(cfg: PromptsConfig) -> dict:
     prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
     if prov is not None:
         diff = {
-            k: (prov["settings"].get(k), settings[k])
+            k: (old, settings[k])
             for k in _PROMPTS_SAME_ON_RESUME
-            if prov["settings"].get(k) != settings[k]
+            # files written before --user-prefix existed had none
+            if (old := prov["settings"].get(k, [] if k == "user_prefix" else None)) != settings[k]
         }
         if diff:
             raise SystemExit(f"error: {out} was written with other settings {diff} (old, new): use another --out")
@@ -808,13 +814,22 @@ def write_prompts(cfg: PromptsConfig) -> dict:
     guard = BenchmarkGuard(benchmark_prompts())
     special = [t for t in tokenizer.all_special_tokens if t]
     eos = stop_ids_for(target_dir, tokenizer)
+    user_texts = [u.strip() for u in cfg.user_prefix] or [""]
+    if any(not u for u in user_texts) and cfg.user_prefix:
+        raise SystemExit("error: --user-prefix: an empty prefix (give none to leave the domain open)")
+    starts = [prefix + (tokenizer(u, add_special_tokens=False)["input_ids"] if u else []) for u in user_texts]
     if engine == "slots":
         from models.fast_target import FastTarget
         from models.generate import Sampling, SlotGenerator
 
         model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
         gen = SlotGenerator(
-            model, cfg.batch_size, len(prefix), cfg.max_new_tokens, eos, Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+            model,
+            cfg.batch_size,
+            max(map(len, starts)),
+            cfg.max_new_tokens,
+            eos,
+            Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
@@ -856,20 +871,22 @@ def write_prompts(cfg: PromptsConfig) -> dict:
             status = "stopped_by_time_limit"
             break
         tb, seed = time.time(), cfg.seed * 1_000_003 + batch
+        pick = [(batch * cfg.batch_size + j) % len(starts) for j in range(cfg.batch_size)]
         if engine == "slots":
             gen.gen.manual_seed(seed)
             for j in range(cfg.batch_size):
-                gen.add(j, prefix)
+                gen.add(j, starts[pick[j]])
             res = {}
             while gen.busy():
                 res.update({j: (new, hit) for j, new, hit in gen.step()})
             res = [res[j] for j in range(cfg.batch_size)]
         else:
             torch.manual_seed(seed)
-            res = generate_batch(model, tokenizer, [prefix] * cfg.batch_size, cfg)
+            res = generate_batch(model, tokenizer, [starts[i] for i in pick], cfg)
         new_kept, new_dropped = [], []
         for j, (ids, hit) in enumerate(res):
-            text = tokenizer.decode(ids, skip_special_tokens=False).strip()
+            up = user_texts[pick[j]]
+            text = (up + tokenizer.decode(ids, skip_special_tokens=False)).strip()
             row = {"id": f"si{cfg.seed}-{batch:05d}-{j:04d}", "batch": batch, "batch_n": cfg.batch_size}
             row["new_tokens"] = len(ids)
             why = drop_reason(text, ids, hit, special, seen, guard, cfg.min_words)

@@ -14,6 +14,12 @@ check. Here a fixed set of `slots` shares one KV cache [slots, Hkv, L, D] per la
 A slot that stopped between two syncs decodes a few wasted tokens, cut off at the first stop
 token when it is read back. Under greedy decoding the output equals the target's own greedy
 decoding (tests/test_generate.py against HF `generate`).
+
+On CUDA the decode step's device work (30 layers of SmolLM2 are ~1,350 small kernels, which
+eager Python launches slower than the GPU runs them) is replayed from a CUDA graph, one per
+cache-length bucket of 128 (`cuda_graphs`). Everything the graph reads lives in buffers that are
+only ever written in place (tok, pos, the caches), so a replay sees the current state; sampling
+and the per-slot bookkeeping stay eager (a few kernels) so that any sampler works unchanged.
 """
 
 from collections import deque
@@ -66,7 +72,9 @@ class SlotGenerator:
         seed: int = 0,
         sync_every: int = 16,
         prefill_tokens: int = 65536,
+        cuda_graphs: bool | None = None,
     ):
+        """cuda_graphs: replay each decode step from a CUDA graph (None = on CUDA devices)."""
         c = target.config
         self.t, self.S, self.max_new, self.sync_every = target, slots, max_new_tokens, sync_every
         self.max_prompt, self.prefill_tokens, self.sampling = max_prompt_len, prefill_tokens, sampling
@@ -91,6 +99,9 @@ class SlotGenerator:
         self.host_pos = [0] * slots
         self.waiting: deque = deque()
         self.steps = 0
+        # cache length bucket -> (graph, its logits output [S, V]); None = eager decode steps
+        self.graphs = {} if (cuda_graphs if cuda_graphs is not None else dev.type == "cuda") else None
+        self._pool = None  # one memory pool for all graphs (they never run at the same time)
 
     def add(self, key, prompt_ids: list[int], front: bool = False):
         """Queue a request (front=True: ahead of the others, e.g. a conversation's next turn)."""
@@ -131,10 +142,12 @@ class SlotGenerator:
         for s, p in zip(slots, prompts):
             self.n_out[s], self.host_pos[s] = 1, len(p)
 
-    @torch.no_grad()
-    def _decode(self):
-        """One token for every slot (idle ones too: their results are never read)."""
-        S, L = self.S, min(self.L, (max(self.host_pos) // 128 + 1) * 128)  # cache prefix in use (host-known)
+    def _step_logits(self, L: int) -> torch.Tensor:
+        """The device work of one decode step over the first L cache positions: every slot's token
+        `tok` written into the caches at `pos`, logits [S, V] fp32 of the next token. It only reads
+        tok and pos and writes the caches at pos, so running it twice is the same as once (a CUDA
+        graph's warm-up run relies on that)."""
+        S = self.S
         h = self.t.model.embed_tokens(self.tok[:, None])  # [S, 1, H]
         cos, sin = self.t.rope(self.pos[:, None], h.dtype)
         rows = torch.arange(S, device=self.dev)
@@ -151,13 +164,40 @@ class SlotGenerator:
             o = (att.to(V.dtype) @ V).reshape(S, 1, -1)  # heads in q's order: kv head major
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        tok = sample(self._logits(h[:, 0]), self.sampling, self.gen)
-        self.tok = tok
+        return self._logits(h[:, 0])
+
+    def _graph_logits(self, L: int) -> torch.Tensor:
+        """_step_logits(L) replayed from its CUDA graph (captured on first use of this bucket: one
+        eager warm-up run on a side stream, as torch.cuda.graphs asks, then the capture)."""
+        if L not in self.graphs:
+            side = torch.cuda.Stream(self.dev)
+            side.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(side):
+                self._step_logits(L)  # warm-up: writes the same cache entries the replay will
+            torch.cuda.current_stream(self.dev).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                out = self._step_logits(L)
+            self.graphs[L] = (g, out)
+        g, out = self.graphs[L]
+        g.replay()
+        return out  # valid until the next replay (graphs share one pool)
+
+    @torch.no_grad()
+    def _decode(self):
+        """One token for every slot (idle ones too: their results are never read)."""
+        L = min(self.L, (max(self.host_pos) // 128 + 1) * 128)  # cache prefix in use (host-known)
+        logits = self._step_logits(L) if self.graphs is None else self._graph_logits(L)
+        tok = sample(logits, self.sampling, self.gen)
+        self.tok.copy_(tok)  # in place: a graph reads this buffer
+        rows = torch.arange(self.S, device=self.dev)
         self.out[rows, self.n_dev.clamp(max=self.out.shape[1] - 1)] = tok
         self.stopped |= torch.isin(tok, self.stop)
         self.pos += self.active  # idle slots stay at 0 (their cache row is never read)
         self.n_dev += self.active
-        for s in range(S):
+        for s in range(self.S):
             if self.key[s] is not None:
                 self.n_out[s] += 1
                 self.host_pos[s] += 1

@@ -117,3 +117,30 @@ def test_written_prompts_are_answered_by_regenerate(tmp_path, eager_target):
         assert [m["role"] for m in r["messages"]] == ["system", "user", "assistant"] or [
             m["role"] for m in r["messages"]
         ] == ["user", "assistant"]
+
+
+def test_user_prefix_steers_each_prompt(tmp_path, eager_target):
+    """--user-prefix: prompt j of batch b starts with prefix (b * batch_size + j) mod n and the target
+    continues it; greedy, the slots engine writes what transformers' generate writes after the same
+    start; a resume with other prefixes is refused."""
+    ups = ("Write a Python function that", "A farmer has")
+    texts = {}
+    for engine in ("hf", "slots"):
+        out = tmp_path / f"{engine}.jsonl"
+        write_prompts(
+            _cfg(eager_target, out, max_batches=2, batch_size=3, engine=engine, temperature=0.0, user_prefix=ups)
+        )
+        rows = _lines(out) + _lines(out.with_name(f"{engine}.dropped.jsonl"))
+        for r in rows:
+            text = r["messages"][0]["content"] if "messages" in r else r["text"]
+            j = int(r["id"].rsplit("-", 1)[1])
+            assert text.startswith(ups[(r["batch"] * 3 + j) % 2])
+        texts[engine] = sorted((r["id"], r.get("reason"), r.get("text") or r["messages"][0]["content"]) for r in rows)
+        assert json.loads(out.with_name(f"{engine}.provenance.json").read_text())["settings"]["user_prefix"] == list(
+            ups
+        )
+    assert texts["hf"] == texts["slots"] and len(texts["hf"]) == 6
+    with pytest.raises(SystemExit, match="other settings"):
+        write_prompts(
+            _cfg(eager_target, tmp_path / "hf.jsonl", max_batches=3, batch_size=3, engine="hf", temperature=0.0)
+        )
