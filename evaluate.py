@@ -57,6 +57,15 @@ def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[
         raise AssertionError(f"{name}: output differs from greedy decoding at token {i}")
 
 
+def split_halves(turns: list) -> list[float]:
+    """τ of the even- and of the odd-numbered turns: how far apart two halves of one set land is the
+    noise a difference between two drafts on that set has to beat."""
+    halves = [SpecStats(), SpecStats()]
+    for i, (_, _, s) in enumerate(turns):
+        halves[i % 2].add(s)
+    return [round(h.summary()["tau"], 4) for h in halves if h.summary()["target_forwards"]]
+
+
 def run_dataset(
     target: TargetRunner, proposer: Proposer, tokenizer, convs: list[list[str]], max_new: int, eos, check_greedy=False
 ):
@@ -335,6 +344,7 @@ def main(a: EvalArgs) -> dict:
                 replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()
             s["seconds"] = round(sec, 1)
+            s["tau_halves"] = split_halves(turns)
             if p.needs_aux:  # the draft's proposers: tokens verified per step, tree width
                 s["k"], s["topk"] = p.depth, getattr(p, "topk", 1)
             result["results"][ds][p.name] = s
@@ -351,7 +361,7 @@ def main(a: EvalArgs) -> dict:
             )
             print(
                 f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
-                f"{s['target_forwards']} target forwards, {sec:.0f}s{cost}",
+                f"{s['target_forwards']} target forwards, {sec:.0f}s{cost}; halves {s['tau_halves']}",
                 flush=True,
             )
         print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)

@@ -99,6 +99,7 @@ class SlotGenerator:
         self.host_pos = [0] * slots
         self.waiting: deque = deque()
         self.steps = 0
+        self.kv_positions_read = 0  # sum over decode steps of S * L: cache traffic (experiments/gen_bench.py)
         # cache length bucket -> (graph, its logits output [S, V]); None = eager decode steps
         self.graphs = {} if (cuda_graphs if cuda_graphs is not None else dev.type == "cuda") else None
         self._pool = None  # one memory pool for all graphs (they never run at the same time)
@@ -167,29 +168,38 @@ class SlotGenerator:
         return self._logits(h[:, 0])
 
     def _graph_logits(self, L: int) -> torch.Tensor:
-        """_step_logits(L) replayed from its CUDA graph (captured on first use of this bucket: one
-        eager warm-up run on a side stream, as torch.cuda.graphs asks, then the capture)."""
+        """_step_logits(L) replayed from its CUDA graph (captured on first use of this bucket)."""
         if L not in self.graphs:
-            side = torch.cuda.Stream(self.dev)
-            side.wait_stream(torch.cuda.current_stream(self.dev))
-            with torch.cuda.stream(side):
-                self._step_logits(L)  # warm-up: writes the same cache entries the replay will
-            torch.cuda.current_stream(self.dev).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
-                out = self._step_logits(L)
-            self.graphs[L] = (g, out)
+            try:
+                self.graphs[L] = self._capture(L)
+            except RuntimeError as e:  # a driver or kernel that cannot be captured: eager from here on
+                print(f"[generate] CUDA graph capture failed ({e}); decoding eagerly", flush=True)
+                self.graphs = None
+                return self._step_logits(L)
         g, out = self.graphs[L]
         g.replay()
         return out  # valid until the next replay (graphs share one pool)
+
+    def _capture(self, L: int):
+        """One eager warm-up run on a side stream (as torch.cuda.graphs asks), then the capture."""
+        side = torch.cuda.Stream(self.dev)
+        side.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(side):
+            self._step_logits(L)  # warm-up: writes the same cache entries the replay will
+        torch.cuda.current_stream(self.dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            out = self._step_logits(L)
+        return g, out
 
     @torch.no_grad()
     def _decode(self):
         """One token for every slot (idle ones too: their results are never read)."""
         L = min(self.L, (max(self.host_pos) // 128 + 1) * 128)  # cache prefix in use (host-known)
         logits = self._step_logits(L) if self.graphs is None else self._graph_logits(L)
+        self.kv_positions_read += self.S * L
         tok = sample(logits, self.sampling, self.gen)
         self.tok.copy_(tok)  # in place: a graph reads this buffer
         rows = torch.arange(self.S, device=self.dev)

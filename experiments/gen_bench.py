@@ -1,0 +1,142 @@
+"""Generation speed of the slot engine (models/generate.py) with eager decode steps and with CUDA
+graphs, back to back on one machine: the same first user turns of the packaged ShareGPT chats,
+greedy, through SlotGenerator directly (what `capture.py regenerate --engine slots` runs).
+
+    python3 experiments/gen_bench.py --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --out rows.jsonl
+
+Each row: new tokens/s, decode steps/s, the bytes one decode step reads (every weight once, plus
+the K and V cache prefix in use for every slot) and the share of the GPU's memory bandwidth that
+reaches; the graphs row also says how many of its replies equal the eager row's (bf16: a near-tie
+can round differently between two runs of different kernels, so not all need to).
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from capture import stop_ids_for  # noqa: E402
+from data.datasets import load_records  # noqa: E402
+from models.fast_target import FastTarget  # noqa: E402
+from models.generate import SlotGenerator  # noqa: E402
+from models.target import load_tokenizer, resolve_target  # noqa: E402
+from runlog import git_commit, hardware, versions  # noqa: E402
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # datasheet peaks (SXM)
+
+
+@dataclass
+class Args:
+    target: str = "smollm2"
+    out: str = "experiments/results/gen_bench_h200.jsonl"
+    requests: int = 2048
+    """first user turns, each one request (more requests than slots keeps the slots full)"""
+    slots: int = 512
+    max_new_tokens: int = 512
+    max_prompt_len: int = 512
+    modes: tuple[str, ...] = ("eager", "graphs")
+    time_limit: float = 120
+    """seconds per mode: stop taking finished requests after this (the rate counts what finished)"""
+    device: str = "cuda"
+    """cuda (bf16) | cpu (fp32: a smoke run; no graphs there)"""
+
+
+def first_turns(tokenizer, n: int, max_len: int) -> list[list[int]]:
+    out = []
+    for r in load_records("sharegpt", None):
+        turns = r.get("conversations") or []
+        user = next((t["value"] for t in turns if t.get("from") == "human" and t.get("value")), None)
+        if not user:
+            continue
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_len:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def sync(model):
+    if model.lm_head.weight.is_cuda:
+        torch.cuda.synchronize()
+
+
+def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
+    gen = SlotGenerator(model, a.slots, a.max_prompt_len, a.max_new_tokens, eos, cuda_graphs=graphs)
+    for i, p in enumerate(prompts):
+        gen.add(i, p)
+    # warm-up: the first buckets' graph captures (and cuBLAS set-up) happen here, not in the timing
+    got, t_warm = {}, time.time()
+    while gen.busy() and len(got) < a.slots // 4:
+        got.update({k: t for k, t, _ in gen.step()})
+    sync(model)
+    warm_s, steps0, kv0, n0 = time.time() - t_warm, gen.steps, gen.kv_positions_read, sum(map(len, got.values()))
+    t0 = time.time()
+    while gen.busy() and time.time() - t0 < a.time_limit:
+        got.update({k: t for k, t, _ in gen.step()})
+    sync(model)
+    sec = time.time() - t0
+    new = sum(map(len, got.values())) - n0
+    c = model.config
+    w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = (gen.kv_positions_read - kv0) * len(model.model.layers) * 2 * c.num_key_value_heads * c.head_dim * 2
+    steps = gen.steps - steps0
+    step_bytes = w_bytes + kv_bytes / max(steps, 1)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
+    row = {
+        "what": "gen_bench",
+        "mode": "graphs" if graphs else "eager",
+        "slots": a.slots,
+        "requests_done": len(got),
+        "new_tokens": new,
+        "seconds": round(sec, 2),
+        "tokens_per_s": round(new / sec),
+        "steps_per_s": round(steps / sec, 1),
+        "warmup_s": round(warm_s, 1),
+        "graphs_captured": len(gen.graphs or {}),
+        "bytes_per_step": round(step_bytes),
+        "hbm_share": round(step_bytes * steps / sec / peak, 3) if peak else None,
+    }
+    return row, got
+
+
+def main(a: Args):
+    target_dir = resolve_target(a.target)
+    tok = load_tokenizer(target_dir)
+    eos = stop_ids_for(target_dir, tok)
+    dev = torch.device(a.device)
+    model = FastTarget.from_pretrained(
+        target_dir, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev
+    )
+    prompts = first_turns(tok, a.requests, a.max_prompt_len)
+    rows, outs = [], {}
+    meta = {"hardware": hardware(dev), "versions": versions(), "git_commit": git_commit()}
+    for mode in a.modes:
+        row, outs[mode] = run(model, prompts, eos, a, mode == "graphs" and dev.type == "cuda")
+        if "eager" in outs and mode == "graphs":
+            common = outs["eager"].keys() & outs["graphs"].keys()
+            row["same_reply_as_eager"] = round(
+                sum(outs["eager"][k] == outs["graphs"][k] for k in common) / max(len(common), 1), 3
+            )
+            row["speedup_vs_eager"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+        row.update(
+            meta, date=time.strftime("%Y-%m-%d"), command="python3 experiments/gen_bench.py " + " ".join(sys.argv[1:])
+        )
+        rows.append(row)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("hardware", "versions")}), flush=True)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Issue 31 on one H200, in calls made back to back (the machine keeps /tmp ~30 s after a call):
+# stage the model (`bash ../shared/device/prepare.sh` then one call per part, carry
+# [".whl", ".device", ".stage/qI"], command `bash .device/run_on_device.sh true`), then:
+#   bash .device/run_on_device.sh bash experiments/h200_scale.sh gen     # CUDA-graph test + bench, new data
+#   bash .device/run_on_device.sh bash experiments/h200_scale.sh train   # two drafts on the mix; the shipped one's τ
+#   RESUME=1 ... h200_scale.sh train                                     # on to STEPS, export, τ of both
+# gen: the target writes code, math and chat prompts (capture.py prompts --user-prefix, sampled at
+# temperature 1) and answers them greedily (capture.py regenerate: the decoding the draft serves under);
+# the mix is the shipped draft's v3 set + the earlier free-form self-instruct answers + these.
+# train: run a = the mix, 8,192-token draft vocabulary; run b = the mix, 32,768 (the vocabulary lever at
+# equal data and steps); both at once on the one GPU (one SmolLM2 draft run leaves it half idle).
+# τ: evaluate.py on the GPU, fp32, batched chains, all 80 MT-Bench questions (2 turns), 164 HumanEval,
+# 250 GSM8K, K = 3 and 7, with the τ of each half of each set as its spread.
+set -uo pipefail
+PHASE=${1:?usage: h200_scale.sh gen|train}
+T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+W=/tmp/scale
+LIMIT=${LIMIT:-560}
+mkdir -p $W/mix
+[[ -f $T ]] || { echo "no staged target at $T"; exit 1; }
+(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi_$PHASE.log 2>&1 &
+SMI=$!
+left() { echo $((LIMIT - SECONDS)); }
+parts() { local f=$1; if (($(stat -c %s "$f") > 15000000)); then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi; }
+EVAL="--device cuda --dtype fp32 -k 3 7 --num-prompts 250 --batch 64 --max-new-tokens 128 --data mtbench humaneval gsm8k"
+CODE=("Write a Python function that" "Write a Python program to" "def" "from typing import List
+
+def" "Write a function in Python that takes a list of" "Implement a Python class" "Write a JavaScript function that"
+  "Fix the bug in this Python code:" "Explain what this Python code does:" "Write a Python script that reads"
+  "Write a SQL query that" "How do I write a loop in Python that" "Write a recursive function to" "Complete this Python function:")
+MATH=("Solve this math word problem:" "A store sells" "John has" "Maria buys" "A train travels" "If a recipe calls for"
+  "A school has" "Tom earns" "There are" "Sarah wants to" "A farmer has" "Question: A bakery" "Calculate how many"
+  "Lisa reads" "A car uses")
+CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog post about" "Explain the difference between"
+  "Describe" "Give me five tips for" "Summarize the main ideas of" "Draft an email to" "What are the main causes of"
+  "Write a short story about" "Compare and contrast" "Extract the" "Pretend to be" "Why is")
+case $PHASE in
+  gen)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
+    tail -2 $OUT/cuda_tests_generate.txt
+    timeout 150 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
+      --time-limit ${BENCH_S:-30} > $OUT/gen_bench.log 2>&1
+    tail -2 $OUT/gen_bench.log | cut -c1-400
+    jobs=()
+    for d in code math chat; do  # prompts: a third of what is left, answers the rest
+      declare -n P=${d^^}
+      (timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T --out $W/p_$d.jsonl --engine slots \
+         --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 --seed ${SEED:-7} \
+         --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1
+       [[ -s $W/p_$d.jsonl ]] && timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
+         --data $W/p_$d.jsonl --out $W/mix/a_$d.jsonl --engine slots --slots 1024 --max-new-tokens 512 \
+         --max-prompt-len 512 --time-limit $(($(left) - 60)) > $OUT/answers_$d.log 2>&1) &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    for d in code math chat; do
+      cp $W/p_$d.provenance.json $OUT/prompts_$d.provenance.json; cp $W/mix/a_$d.provenance.json $OUT/answers_$d.provenance.json
+      gzip -9c $W/p_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
+      tail -n 1 $OUT/prompts_$d.log | cut -c1-300; tail -n 1 $OUT/answers_$d.log | cut -c1-300
+    done
+    head -c 2000000 $W/mix/a_code.jsonl > $OUT/sample_answers_code.jsonl; head -c 2000000 $W/mix/a_math.jsonl > $OUT/sample_answers_math.jsonl ;;
+  train)
+    mkdir -p $W/mix_data
+    # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
+    cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
+    cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
+    for d in code math chat; do [[ -f $W/mix/a_$d.jsonl ]] && cp -n $W/mix/a_$d.jsonl $W/mix_data/si_$d.jsonl; done
+    ls -la $W/mix_data > $OUT/mix_files.txt
+    [[ -n ${RESUME:-} ]] || (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T $EVAL --ngram \
+      --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
+    jobs=()
+    for v in a:8192 b:32768; do
+      name=${v%%:*}; R=$W/run_$name
+      MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
+      (timeout -k 20 $(($(left) - 30)) python3 train.py --target $T --data $W/mix_data --num-records 0 --holdout 512 \
+         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2400} --lr 3e-3 \
+         --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size ${v#*:} --out $R $MODE \
+         --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
+       echo "train $name exit $?" >> $OUT/train_$name.log
+       [[ -n ${RESUME:-} ]] && python3 export.py $R > $OUT/export_$name.log 2>&1 &&
+         timeout $(($(left) - 10)) python3 evaluate.py $R/export-vllm --target $T $EVAL --out $OUT/eval_$name.jsonl \
+           > $OUT/eval_$name.log 2>&1
+       cp $R/run.json $OUT/run_$name.json; cp $R/metrics.jsonl $OUT/metrics_$name.jsonl
+       [[ -d $R/export-vllm ]] && (cd $R && tar czf $OUT/draft_$name.tgz export-vllm) && parts $OUT/draft_$name.tgz) &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    sleep 1; grep -h "eval @\|error" $OUT/train_a.log $OUT/train_b.log | tail -6
+    grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
+  *) echo "unknown phase $PHASE"; exit 2 ;;
+esac
+kill $SMI 2>/dev/null
+ls -la $OUT
