@@ -91,9 +91,11 @@ This file alone knows the engines' conventions. Aux layer ids, checked in the en
   (silently wrong drafts) when d2t is missing: hence the loud checks here.
 """
 
+import errno
 import hashlib
 import json
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +108,7 @@ from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.peagle import PEagleConfig
-from runlog import write_checkpoint
+from runlog import RUN_FILES, clear_previous_run, previous_run, write_checkpoint
 
 ENGINES = ("vllm", "sglang", "speculators")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -372,9 +374,12 @@ def export(
     dtype: str = "bf16",
     with_embeddings: bool = False,
     target: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the serving dir; returns it. The write goes through a temporary dir renamed into
-    place, so a failed export never leaves a dir that looks complete."""
+    place, so a failed export never leaves a dir that looks complete. An existing `out` is replaced
+    only if export wrote it, or with overwrite (check_export_out)."""
+    check_export_out(out, find_checkpoint(ckpt), overwrite)
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}: choose one of {ENGINES}")
     if dtype not in DTYPES:
@@ -436,20 +441,84 @@ def export(
     return _write(out, cfg, sd, prov)
 
 
+EXPORT_MARKER = ".nanospec-export"  # written into every serving dir: the only kind of existing dir export replaces
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """a is b, or one holds the other."""
+    return a == b or a in b.parents or b in a.parents
+
+
+def _written_by_export(d: Path) -> bool:
+    """A serving dir export wrote: its marker, or (dirs written before the marker) exactly config.json +
+    model.safetensors with our provenance in the config."""
+    if (d / EXPORT_MARKER).is_file():
+        return True
+    if {p.name for p in d.iterdir()} != {"config.json", "model.safetensors"}:
+        return False
+    try:
+        return "nanospec_export" in json.loads((d / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_export_out(out: str | Path, ckpt: Path, overwrite: bool = False):
+    """--out before anything is read or written. Never the checkpoint being exported, its run's files or a
+    directory holding them (refused even with overwrite: replacing --out would delete them); an existing
+    directory only if export wrote it (EXPORT_MARKER) or overwrite; never a file."""
+    out, ck = Path(out), Path(ckpt).resolve()
+    res = out.resolve()
+    protected = [ck]
+    if ck.parent.name == "ckpt" or (ck.parent / "latest").exists():  # ck is <run>/ckpt/step_N
+        run = ck.parent.parent
+        protected += [ck.parent, *(run / n for n in RUN_FILES if (run / n).exists())]
+    if hit := next((p for p in protected if _overlaps(res, p)), None):
+        raise ExportError(
+            f"--out {out} would replace {hit}, part of the checkpoint being exported ({ckpt}): choose another --out "
+            "(the default is <run>/export-<engine>)"
+        )
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not _written_by_export(out):
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ExportError(
+            f"--out {out} holds files export did not write ({shown}; no {EXPORT_MARKER}): "
+            "choose another --out, or pass --overwrite to replace the whole directory"
+        )
+
+
 def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
+    """out (checked by check_export_out) written through a temporary dir beside it, then swapped in."""
     from safetensors.torch import save_file
 
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = None
     cfg["nanospec_export"] = {**provenance, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # ignored by the engines
-    save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))  # never a user's name
+        (tmp / EXPORT_MARKER).write_text("written by nanospec export.py; export --out replaces this directory\n")
+        save_file(sd, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"--out {out}: cannot write the serving dir there ({os_why(e)})") from None
     return out
+
+
+def os_why(e: OSError) -> str:
+    """An OSError in words a user acts on."""
+    return {
+        errno.EROFS: "it is on a read-only file system",
+        errno.EACCES: "no permission to write there",
+        errno.EPERM: "no permission to write there",
+        errno.ENOSPC: "no space left on the device",
+    }.get(e.errno, e.strerror or str(e))
 
 
 def vllm_method(family: str) -> tuple[str, dict]:
@@ -892,10 +961,28 @@ def _target_layers(target) -> int | None:
     return tc.get("text_config", tc).get("num_hidden_layers")
 
 
-def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: str | None = None) -> Path:
+def import_draft(
+    src: str | Path, out: str | Path, fmt: str = "auto", target: str | None = None, overwrite: bool = False
+) -> Path:
     """A speculators, SafeAILab EAGLE-3, SpecForge EAGLE-3 or nanospec serving dir -> a training checkpoint
     out/ckpt/step_0/{draft.safetensors, config.json} + out/ckpt/latest (what load_checkpoint, evaluate.py
-    and gate.py read); returns the step dir. Tensors keep their values (fp32 in, fp32 out: bit for bit)."""
+    and gate.py read); returns the step dir. Tensors keep their values (fp32 in, fp32 out: bit for bit).
+    An `out` holding a run (a trained one's ckpt/latest would silently name the import) is refused unless
+    overwrite, which deletes that run's files first, as train.py --overwrite does."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a directory")
+    if old := previous_run(out):
+        src_r = Path(src).resolve()
+        if hit := next(
+            (out / n for n in RUN_FILES if (out / n).exists() and _overlaps(src_r, (out / n).resolve())), None
+        ):
+            raise ExportError(f"--out {out}: the draft to import ({src}) is in its {hit.name}: choose another --out")
+        if not overwrite:
+            raise ExportError(
+                f"--out {out} holds a run ({', '.join(old)}): choose another --out, or pass --overwrite to replace it "
+                "(its checkpoints and metrics are deleted)"
+            )
     draft, found = read_draft(src, fmt, target)
     meta = {
         "strategy": draft.family,
@@ -903,7 +990,11 @@ def import_draft(src: str | Path, out: str | Path, fmt: str = "auto", target: st
         "target": found["target"],
         "imported_from": {"format": found["format"], "path": str(Path(src).resolve())},
     }
-    return write_checkpoint(Path(out) / "ckpt", "step_0", draft.state_dict(), meta)  # no train_state.pt
+    try:
+        clear_previous_run(out)
+        return write_checkpoint(out / "ckpt", "step_0", draft.state_dict(), meta)  # no train_state.pt
+    except OSError as e:
+        raise ExportError(f"--out {out}: cannot write the checkpoint there ({os_why(e)})") from None
 
 
 def read_draft(src: str | Path, fmt: str = "auto", target: str | None = None) -> tuple[torch.nn.Module, dict]:
@@ -997,16 +1088,20 @@ class ExportArgs:
     import_from: Literal["", "auto", "speculators", "safeailab", "specforge"] = ""
     """the other way: read the draft dir CKPT (speculators, SafeAILab EAGLE-3 or SpecForge EAGLE-3; auto
     tells them apart) into a training checkpoint at --out (evaluate.py and gate.py read it)"""
+    overwrite: bool = False
+    """replace an --out that export did not write (export: a dir without its .nanospec-export marker; import: a
+    run, whose checkpoints and metrics are deleted). Never the checkpoint being exported or its run"""
 
 
 def main(a: ExportArgs) -> Path:
+    """Every expected failure (ExportError, a missing file) is one `error: ...` line and exit 1."""
     if a.import_from:
         if not a.out:
-            raise SystemExit("import failed: pass --out (the run dir to write)")
+            raise SystemExit("error: import failed: pass --out (the run dir to write)")
         try:
-            path = import_draft(a.ckpt, a.out, a.import_from, a.target or None)
+            path = import_draft(a.ckpt, a.out, a.import_from, a.target or None, a.overwrite)
         except (ExportError, FileNotFoundError) as e:
-            raise SystemExit(f"import failed: {e}") from None
+            raise SystemExit(f"error: import failed: {e}") from None
         print(
             f"[import] {a.ckpt} -> {path} ({json.loads((path / 'config.json').read_text())['imported_from']['format']})"
         )
@@ -1014,9 +1109,9 @@ def main(a: ExportArgs) -> Path:
     try:
         d = find_checkpoint(a.ckpt)
         out = a.out or str(d.parent.parent / f"export-{a.engine}")
-        path = export(d, out, a.engine, a.dtype, a.with_embeddings, a.target or None)
+        path = export(d, out, a.engine, a.dtype, a.with_embeddings, a.target or None, a.overwrite)
     except (ExportError, FileNotFoundError) as e:
-        raise SystemExit(f"export failed: {e}") from None
+        raise SystemExit(f"error: export failed: {e}") from None
     print(f"[export] {d} -> {path} ({a.engine}, {a.dtype}{', with embeddings' if a.with_embeddings else ''})")
     return path
 

@@ -196,6 +196,26 @@ class Throughput:
         return out
 
 
+RUN_FILES = ("run.json", "metrics.jsonl", "tb", "ckpt")  # what a run writes into its dir (--overwrite deletes them)
+
+
+def previous_run(out: Path) -> list[str]:
+    """The files of an earlier run in `out` (empty if none)."""
+    return [n + ("/" if (out / n).is_dir() else "") for n in RUN_FILES if (out / n).exists()]
+
+
+def clear_previous_run(out: Path) -> list[str]:
+    """--overwrite: delete the earlier run's files (nothing else in `out`)."""
+    old = previous_run(out)
+    for n in RUN_FILES:
+        p = out / n
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    return old
+
+
 def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None) -> Path:
     """A training checkpoint as train.py writes it and export.py --import-from mimics: ck/<name>.tmp
     holding draft.safetensors and config.json (meta: {strategy, draft, target, ...}), plus whatever

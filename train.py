@@ -50,7 +50,7 @@ from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
 from optim import MuonAdamW, muon_groups
-from runlog import RunLog, Throughput, peak_flops, run_metadata, write_checkpoint
+from runlog import RunLog, Throughput, clear_previous_run, peak_flops, previous_run, run_metadata, write_checkpoint
 from tools.vllm_features import vllm_target
 
 STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
@@ -194,9 +194,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read back."""
 
 
-RUN_FILES = ("run.json", "metrics.jsonl", "tb", "ckpt")  # what a run writes into --out (--overwrite deletes them)
-
-
 def validate(cfg: TrainConfig, world: int | None = None):
     """Option values that cannot work, as one message each, before anything is loaded or written.
     world: the ranks that split --batch-size (default: torchrun's WORLD_SIZE, or the launcher's consumer ranks)."""
@@ -315,11 +312,6 @@ def _first_existing(p: Path) -> Path:
     return p
 
 
-def previous_run(out: Path) -> list[str]:
-    """The files of an earlier run in `out` (empty if none)."""
-    return [n + ("/" if (out / n).is_dir() else "") for n in RUN_FILES if (out / n).exists()]
-
-
 def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoint dirs of `out`, the one ckpt/latest names first, then the others newest first."""
     ck = out / "ckpt"
@@ -373,18 +365,6 @@ def check_out(cfg: TrainConfig, rank: int = 0):
             f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
             "pass --resume to continue it, --overwrite to replace it, or another --out"
         )
-
-
-def clear_previous_run(out: Path) -> list[str]:
-    """--overwrite: delete the earlier run's files (nothing else in --out)."""
-    old = previous_run(out)
-    for n in RUN_FILES:
-        p = out / n
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
-    return old
 
 
 def target_vocab_size(target_dir: Path) -> int | None:

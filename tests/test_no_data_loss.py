@@ -1,0 +1,148 @@
+"""Nothing a user points a command at is deleted or rewritten unless that command wrote it (issue 35,
+'Data loss' and 'Records'): export.py --out, export.py --import-from --out, capture.py regenerate
+--out, train.py --resume. Each refusal is one `error: ...` line, a non-zero exit, no traceback."""
+
+import errno
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import export
+from tests.test_export import make_checkpoint
+from tests.test_train_e2e import ROOT
+
+
+def tree(d: Path) -> dict:
+    """Every file under d with its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def refused(p, *messages) -> str:
+    text = p.stdout + p.stderr
+    assert p.returncode != 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("error: "), text[-3000:]
+    for m in messages:
+        assert m in text, (m, text[-3000:])
+    return text
+
+
+# ---------------------------------------------------------------- export.py --out
+def test_export_refuses_a_directory_it_did_not_write(tmp_path):
+    run, _, _ = make_checkpoint(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chats.jsonl").write_text('{"messages": []}\n')
+    with pytest.raises(
+        export.ExportError, match=r"holds files export did not write \(chats.jsonl; no .nanospec-export"
+    ):
+        export.export(run, data)
+    assert tree(data) == {"chats.jsonl": b'{"messages": []}\n'}
+    # through the CLI: one error line, exit 1, the data still there
+    refused(
+        cli("export.py", run, "--out", data), f"error: export failed: --out {data} holds files export did not write"
+    )
+    assert tree(data) == {"chats.jsonl": b'{"messages": []}\n'}
+    # an empty directory is fine, and so is one export wrote (its marker): exporting again replaces it
+    (tmp_path / "empty").mkdir()
+    out = export.export(run, tmp_path / "empty", dtype="fp32")
+    assert (out / export.EXPORT_MARKER).is_file()
+    (out / "stale.bin").write_text("from the last export")
+    export.export(run, out)
+    assert sorted(p.name for p in out.iterdir()) == [export.EXPORT_MARKER, "config.json", "model.safetensors"]
+    # --overwrite: the user says so
+    export.export(run, data, overwrite=True)
+    assert not (data / "chats.jsonl").exists() and (data / "model.safetensors").exists()
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary dir left beside
+
+
+def test_export_accepts_a_serving_dir_written_before_the_marker(tmp_path):
+    run, _, _ = make_checkpoint(tmp_path)
+    out = export.export(run, tmp_path / "served")
+    (out / export.EXPORT_MARKER).unlink()  # as an earlier export.py left it: config.json + model.safetensors
+    export.export(run, out, dtype="fp32")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("where", ["run", "ckpt", "step", "parent", "tb", "metrics", "inside_ckpt"])
+def test_export_never_replaces_the_run_it_reads(tmp_path, where):
+    """Not even with --overwrite: replacing --out would delete the checkpoint or the run's records."""
+    run, _, _ = make_checkpoint(tmp_path)
+    (run / "tb").mkdir()
+    (run / "tb" / "events").write_text("x")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "run.json").write_text("{}")
+    (run / "notes.txt").write_text("mine")
+    out = {
+        "run": run,
+        "ckpt": run / "ckpt",
+        "step": run / "ckpt" / "step_7",
+        "parent": tmp_path,
+        "tb": run / "tb",
+        "metrics": run / "metrics.jsonl",
+        "inside_ckpt": run / "ckpt" / "served",
+    }[where]
+    before = tree(tmp_path)
+    for overwrite in (False, True):
+        with pytest.raises(export.ExportError, match="part of the checkpoint being exported"):
+            export.export(run / "ckpt" / "step_7", out, overwrite=overwrite)
+    assert tree(tmp_path) == before
+    # the default (<run>/export-vllm) and a named dir beside the run's files are fine
+    assert export.main(export.ExportArgs(str(run))) == run / "export-vllm"
+    export.export(run, run / "served")
+
+
+def test_export_out_a_file_or_read_only(tmp_path, monkeypatch):
+    import tempfile
+
+    run, _, _ = make_checkpoint(tmp_path)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(export.ExportError, match=f"--out {f} is a file, not a directory"):
+        export.export(run, f, overwrite=True)
+    assert f.read_text() == "x"
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(SystemExit) as e:
+        export.main(export.ExportArgs(str(run), out=str(tmp_path / "ro")))
+    assert str(e.value.code) == (
+        f"error: export failed: --out {tmp_path / 'ro'}: cannot write the serving dir there "
+        "(it is on a read-only file system)"
+    )
+
+
+# ---------------------------------------------------------------- export.py --import-from --out
+def test_import_refuses_an_existing_run(tmp_path):
+    run, _, _ = make_checkpoint(tmp_path)
+    served = export.export(run, tmp_path / "served", dtype="fp32")
+    trained = tmp_path / "trained"
+    (trained / "ckpt" / "step_5").mkdir(parents=True)
+    (trained / "ckpt" / "step_5" / "draft.safetensors").write_text("weights")
+    (trained / "ckpt" / "latest").write_text("step_5")
+    (trained / "metrics.jsonl").write_text('{"step": 5}\n')
+    before = tree(trained)
+    p = cli("export.py", served, "--import-from", "auto", "--out", trained)
+    refused(p, f"error: import failed: --out {trained} holds a run (metrics.jsonl, ckpt/)", "--overwrite")
+    assert tree(trained) == before  # ckpt/latest still names the trained step_5
+    # a draft inside the run it would replace: refused even with --overwrite
+    with pytest.raises(export.ExportError, match="the draft to import .* is in its ckpt"):
+        export.import_draft(trained / "ckpt" / "step_5", trained, overwrite=True)
+    assert tree(trained) == before
+    # --overwrite: the old run's files go (they would contradict the import), others stay
+    (trained / "notes.txt").write_text("mine")
+    export.import_draft(served, trained, overwrite=True)
+    assert sorted(p.name for p in (trained / "ckpt").iterdir()) == ["latest", "step_0"]
+    assert not (trained / "metrics.jsonl").exists() and (trained / "notes.txt").read_text() == "mine"
+    # a file as --out
+    with pytest.raises(export.ExportError, match="is a file, not a directory"):
+        export.import_draft(served, trained / "notes.txt")
