@@ -447,17 +447,58 @@ def _sidecars(out: Path) -> tuple[Path, Path]:
     return out.with_name(stem + ".dropped.jsonl"), out.with_name(stem + ".provenance.json")
 
 
+def _provenance(out: Path, command: str) -> dict | None:
+    """The provenance beside --out of an earlier `capture.py COMMAND` (None: no earlier run). Resuming
+    repairs and rewrites --out and its .dropped.jsonl, so they must be this command's own: an existing
+    --out or .dropped.jsonl without its provenance, or with another command's or a damaged one, is
+    refused and left as it is."""
+    dropped_path, prov_path = _sidecars(out)
+    if not prov_path.exists():
+        if found := [p for p in (out, dropped_path) if p.exists() and (not p.is_file() or p.stat().st_size)]:
+            raise SystemExit(
+                f"error: --out {out}: {found[0]} exists but was not written by capture.py {command} (no "
+                f"{prov_path.name} beside it), so it is not resumed or changed: use another --out, or move it aside"
+            )
+        return None
+    try:
+        prov = json.loads(prov_path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"error: {prov_path} is damaged or unreadable ({type(e).__name__}: {e}); {out} is left as it is: "
+            "use another --out, or move them aside"
+        ) from None
+    # regenerate records its "source" data; prompts counts the "batches" it sampled
+    mine = {"regenerate": lambda p: "source" in p, "prompts": lambda p: "batches" in (p.get("counts") or {})}[command]
+    if not (isinstance(prov, dict) and isinstance(prov.get("settings"), dict) and mine(prov)):
+        raise SystemExit(
+            f"error: --out {out}: {prov_path} is not the provenance of capture.py {command} output, so {out} is "
+            "not resumed or changed: use another --out"
+        )
+    return prov
+
+
 def _read_jsonl_repair(path: Path) -> list[dict]:
-    """Lines of a JSONL we append to; a partial last line (a crash mid-write) is cut off."""
+    """Lines of a JSONL this command appends to (_provenance checked that it is ours). A last line without
+    its newline is a crash mid-write: cut off when it is not whole JSON, else kept and given its newline."""
     if not path.exists():
         return []
     raw = path.read_bytes()
     if raw and not raw.endswith(b"\n"):
         keep = raw.rfind(b"\n") + 1
-        print(f"[regen] {path}: dropping a partial last line ({len(raw) - keep} bytes)", flush=True)
-        with open(path, "r+b") as f:
-            f.truncate(keep)
-        raw = raw[:keep]
+        try:
+            json.loads(raw[keep:])
+            whole = True
+        except ValueError:
+            whole = False
+        if whole:
+            with open(path, "ab") as f:
+                f.write(b"\n")
+            raw += b"\n"
+        else:
+            print(f"[regen] {path}: dropping a partial last line ({len(raw) - keep} bytes)", flush=True)
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+            raw = raw[:keep]
     rows = []
     for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -551,7 +592,7 @@ def regenerate(cfg: RegenConfig) -> dict:
         },
         "dtype": str(dtype).removeprefix("torch."),
     }
-    prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
+    prov = _provenance(out, "regenerate")
     if prov is not None:
         diff = {
             k: (prov["settings"].get(k), settings[k]) for k in _SAME_ON_RESUME if prov["settings"].get(k) != settings[k]
@@ -793,7 +834,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "prefix": tokenizer.decode(prefix),
     }
-    prov = json.loads(prov_path.read_text()) if prov_path.exists() else None
+    prov = _provenance(out, "prompts")
     if prov is not None:
         diff = {
             k: (old, settings[k])

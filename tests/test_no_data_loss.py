@@ -146,3 +146,55 @@ def test_import_refuses_an_existing_run(tmp_path):
     # a file as --out
     with pytest.raises(export.ExportError, match="is a file, not a directory"):
         export.import_draft(served, trained / "notes.txt")
+
+
+# ---------------------------------------------------------------- capture.py regenerate --out
+def regen_cfg(target, data, out, **kw):
+    from capture import RegenConfig
+
+    base = dict(target=str(target), data=str(data), out=str(out), num_records=4, max_new_tokens=4, batch_size=2)
+    return RegenConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("chats.json", b'[{"messages": [{"role": "user", "content": "hi"}]}]'),  # no newline at the end
+        ("chats.jsonl", b'{"id": "1"}\n{"id": "2"}'),  # a JSONL whose last record has no newline
+        ("notes.jsonl", b"any text\n"),
+    ],
+)
+def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, tiny_run_inputs, name, content):
+    target, data = tiny_run_inputs
+    out = tmp_path / name
+    out.write_bytes(content)
+    p = cli("capture.py", "regenerate", "--target", target, "--data", data, "--out", out, "--num-records", "2")
+    refused(p, f"error: --out {out}: {out} exists but was not written by capture.py regenerate")
+    assert out.read_bytes() == content and sorted(x.name for x in tmp_path.iterdir()) == [name]
+
+
+def test_regenerate_refuses_other_provenance(tmp_path, tiny_run_inputs):
+    from capture import regenerate
+
+    target, data = tiny_run_inputs
+    out = tmp_path / "p.jsonl"
+    out.write_text('{"id": "si0-00000-0000"}\n{"id": "si0-00000-0001"')
+    prov = tmp_path / "p.provenance.json"
+    before = out.read_bytes()
+    # capture.py prompts' output (its provenance counts batches): not regeneration output
+    prov.write_text(json.dumps({"output": out.name, "settings": {}, "counts": {"batches": 1}}))
+    with pytest.raises(SystemExit, match="is not the provenance of capture.py regenerate output"):
+        regenerate(regen_cfg(target, data, out))
+    prov.write_text('{"output": "p.jsonl", "sett')  # damaged
+    with pytest.raises(SystemExit, match="p.provenance.json is damaged or unreadable"):
+        regenerate(regen_cfg(target, data, out))
+    assert out.read_bytes() == before
+
+
+def test_resume_repair_keeps_a_whole_last_record(tmp_path):
+    from capture import _read_jsonl_repair
+
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"id": 1}\n{"id": 2}')  # whole, only its newline missing
+    assert [r["id"] for r in _read_jsonl_repair(p)] == [1, 2]
+    assert p.read_text() == '{"id": 1}\n{"id": 2}\n'
