@@ -35,6 +35,8 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # datasheet peaks (SXM)
 class Args:
     target: str = "smollm2"
     out: str = "experiments/results/gen_bench_h200.jsonl"
+    data: str = "sharegpt-greedy"
+    """where the first user turns come from (messages-style records; default: the packaged ShareGPT prompts)"""
     requests: int = 2048
     """first user turns, each one request (more requests than slots keeps the slots full)"""
     slots: int = 512
@@ -47,11 +49,12 @@ class Args:
     """cuda (bf16) | cpu (fp32: a smoke run; no graphs there)"""
 
 
-def first_turns(tokenizer, n: int, max_len: int) -> list[list[int]]:
+def first_turns(tokenizer, source: str, n: int, max_len: int) -> list[list[int]]:
     out = []
-    for r in load_records("sharegpt", None):
-        turns = r.get("conversations") or []
-        user = next((t["value"] for t in turns if t.get("from") == "human" and t.get("value")), None)
+    for r in load_records(source, None):
+        user = next(
+            (m["content"] for m in r.get("messages") or [] if m.get("role") == "user" and m.get("content")), None
+        )
         if not user:
             continue
         text = tokenizer.apply_chat_template(
@@ -118,7 +121,7 @@ def main(a: Args):
     model = FastTarget.from_pretrained(
         target_dir, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev
     )
-    prompts = first_turns(tok, a.requests, a.max_prompt_len)
+    prompts = first_turns(tok, a.data, a.requests, a.max_prompt_len)
     rows, outs = [], {}
     meta = {"hardware": hardware(dev), "versions": versions(), "git_commit": git_commit()}
     for mode in a.modes:
