@@ -91,14 +91,22 @@ class RunLog:
     def __init__(self, out: Path, enabled: bool = True):
         self.out, self.enabled, self.tb, self.meta = Path(out), enabled, None, {}
 
-    def start(self, meta: dict, resume: bool = False):
+    def start(self, meta: dict, resume: bool = False, resume_step: int | None = None, keep=None):
+        """A new run.json and empty metrics.jsonl, or (resume) the run's own continued: run.json keeps the
+        first start's record (its absence is an error: history is never deleted), metrics.jsonl keeps the
+        rows `keep(row)` accepts (those up to the checkpoint resumed from: rows logged after it, before a
+        kill, would otherwise appear twice) and TensorBoard hides its events after resume_step."""
         if not self.enabled:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "run.json"
-        if resume and path.exists():  # keep the history of the first start
+        if resume:
+            if not path.exists():
+                raise FileNotFoundError(f"--resume: {path} is missing (metrics.jsonl kept as it is)")
             old = json.loads(path.read_text())
             meta = {**old, "resumed": old.get("resumed", []) + [meta]}
+            if keep is not None:
+                self._truncate_metrics(keep)
         else:
             (self.out / "metrics.jsonl").unlink(missing_ok=True)
         self.meta = meta
@@ -106,9 +114,35 @@ class RunLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.out / "tb"))
+            # purge_step: events at steps >= it, written before a kill, are hidden from TensorBoard
+            purge = resume_step + 1 if resume and resume_step is not None else None
+            self.tb = SummaryWriter(str(self.out / "tb"), purge_step=purge)
         except ImportError:
             self.tb = None
+
+    def _truncate_metrics(self, keep):
+        """metrics.jsonl without the rows keep() rejects and without a partial last line (a kill mid-write);
+        a damaged line elsewhere is kept as it is (not ours to judge). Rewritten atomically."""
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return
+        raw = path.read_text(encoding="utf-8", errors="surrogateescape")
+        lines = raw.splitlines(keepends=True)
+        kept = []
+        for i, line in enumerate(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                if i == len(lines) - 1 and not line.endswith("\n"):
+                    continue  # cut off mid-write
+                kept.append(line)
+                continue
+            if not isinstance(row, dict) or keep(row):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if kept != lines:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8", errors="surrogateescape")
+            os.replace(tmp, path)
 
     def write(self, row: dict):
         if not self.enabled:

@@ -352,13 +352,31 @@ def check_out(cfg: TrainConfig, rank: int = 0):
             }.get(e.errno, e.strerror or str(e))
             raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
     if cfg.resume:
-        if not checkpoints(out):
+        if not (ck := checkpoints(out)):
             again = (
                 "--overwrite instead of --resume to start it again"
                 if previous_run(out)
                 else "no --resume to start a run there"
             )
             raise ConfigError(f"--resume: no checkpoint in {out / 'ckpt'} (pass {again})")
+        # the run's record is continued, never started over: without a readable run.json, stop (history kept)
+        rec, fresh = out / "run.json", f"--init-draft {ck[0]} starts a new run in another --out from its weights"
+        try:
+            ok = isinstance(json.loads(rec.read_text()), dict)
+        except FileNotFoundError:
+            raise ConfigError(
+                f"--resume: {rec} is missing, so this run's record cannot be continued (metrics.jsonl and the "
+                f"checkpoints are left as they are): restore it, or {fresh}"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"--resume: {rec} is damaged or unreadable ({type(e).__name__}: {e}); nothing was changed: "
+                f"restore it, or {fresh}"
+            ) from None
+        if not ok:
+            raise ConfigError(
+                f"--resume: {rec} does not hold a run's record (not a JSON object): restore it, or {fresh}"
+            )
     elif not cfg.overwrite and (old := previous_run(out)):
         ck = checkpoints(out)
         raise ConfigError(
@@ -871,7 +889,17 @@ class Trainer:
             device=self.device,
             extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)},
         )
-        self.log.start(meta, resume=cfg.resume)
+        # rows of the checkpoint's step and before are the run's record; later ones were logged after it, before
+        # a kill, and are logged again (the final evaluation only follows the last checkpoint: redone too)
+        end = self.total_steps
+        self.log.start(
+            meta,
+            resume=cfg.resume,
+            resume_step=start,
+            keep=lambda r: (
+                r.get("step", 0) < start or (r.get("step") == start and not (start == end and r.get("split") == "eval"))
+            ),
+        )
         results = {}
         if start == 0:
             results["eval_start"] = self.evaluate()

@@ -198,3 +198,62 @@ def test_resume_repair_keeps_a_whole_last_record(tmp_path):
     p.write_text('{"id": 1}\n{"id": 2}')  # whole, only its newline missing
     assert [r["id"] for r in _read_jsonl_repair(p)] == [1, 2]
     assert p.read_text() == '{"id": 1}\n{"id": 2}\n'
+
+
+# ---------------------------------------------------------------- train.py --resume
+@pytest.mark.parametrize(
+    "run_json,message",
+    [
+        (None, "run.json is missing, so this run's record cannot be continued"),
+        ('{"config": {"steps": 3}', "run.json is damaged or unreadable (JSONDecodeError"),
+        ("[1, 2]", "run.json does not hold a run's record"),
+    ],
+)
+def test_resume_never_starts_the_record_over(tmp_path, tiny_run_inputs, monkeypatch, run_json, message):
+    """Before: a missing run.json made --resume delete metrics.jsonl (the whole history); a damaged one
+    was a traceback after the target and data had loaded."""
+    import train
+    from tests.test_bad_input import cfg_of, main_fails
+
+    out = tmp_path / "run"
+    (out / "ckpt" / "step_2").mkdir(parents=True)
+    (out / "ckpt" / "latest").write_text("step_2")
+    (out / "metrics.jsonl").write_text('{"step": 1, "split": "train", "loss": 3.0}\n')
+    if run_json is not None:
+        (out / "run.json").write_text(run_json)
+    before = tree(out)
+    monkeypatch.setattr(train, "Trainer", None)  # refused before the target or data load
+    msg = main_fails(cfg_of(*tiny_run_inputs, out, resume=True), "error: --resume: ", message)
+    assert f"--init-draft {out / 'ckpt' / 'step_2'}" in msg
+    assert tree(out) == before
+
+
+def test_resume_after_a_kill_rewrites_the_steps_after_the_checkpoint(tmp_path, tiny_run_inputs):
+    """kill -9 after step 3 was logged, before its checkpoint (the last is step_2): --resume truncates
+    metrics.jsonl (and hides TensorBoard's events) after step 2, so the record equals one run's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_train_e2e import run_train
+
+    target, data = tiny_run_inputs
+    run_train(tmp_path / "full", target, data, 0, ["--steps", "5", "--ckpt-every", "2"])
+    out = tmp_path / "killed"
+    run_train(out, target, data, 0, ["--steps", "5", "--ckpt-every", "2", "--stop-after", "3"])
+    import shutil
+
+    shutil.rmtree(out / "ckpt" / "step_3")  # as a kill before the checkpoint leaves it
+    (out / "ckpt" / "latest").write_text("step_2")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"time": 1, "step": 4, "split": "tr')  # and a row cut off mid-write
+    run_train(out, target, data, 0, ["--steps", "5", "--ckpt-every", "2", "--resume"])
+
+    def record(run):
+        return [
+            (r["step"], r["split"], r.get("loss"), r.get("acc_0")) for r in map(json.loads, open(run / "metrics.jsonl"))
+        ]
+
+    assert record(out) == record(tmp_path / "full")
+    assert [s for s, split, *_ in record(out) if split == "train"] == [1, 2, 3, 4, 5]
+    acc = EventAccumulator(str(out / "tb"), purge_orphaned_data=True)
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
