@@ -92,6 +92,8 @@ def features(cfg: FeaturesConfig) -> dict:
         tokenizer = load_tokenizer(target_dir)
         stats = Counter()
         records = load_records(cfg.data, cfg.num_records or None)
+        if not records:  # an empty store would otherwise be marked complete
+            raise DataError(f"{cfg.data}: no records to capture (the file is empty)")
         examples = build_examples(records, tokenizer, cfg.max_len, stats)
         target = load_target(
             cfg.backend, target_dir, list(cfg.aux_layers) or None, dtype, device, cfg.max_len, vllm_target

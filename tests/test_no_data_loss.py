@@ -257,3 +257,12 @@ def test_resume_after_a_kill_rewrites_the_steps_after_the_checkpoint(tmp_path, t
     acc = EventAccumulator(str(out / "tb"), purge_orphaned_data=True)
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+
+
+def test_capture_features_of_an_empty_file_fails(tmp_path, tiny_run_inputs):
+    target, _ = tiny_run_inputs
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    p = cli("capture.py", "features", "--target", target, "--data", empty, "--out", tmp_path / "store")
+    refused(p, f"error: {empty}: no records to capture (the file is empty)")
+    assert not (tmp_path / "store").exists()  # no store marked complete
