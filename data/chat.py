@@ -33,21 +33,55 @@ class DataError(ValueError):
 
 
 def to_messages(record: dict) -> list[dict]:
-    """ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]` -> messages."""
+    """ShareGPT `conversations: [{from, value}]` or `messages: [{role, content}]` -> messages. A content may
+    be OpenAI-style parts, [{"type": "text", "text": ...}, ...]: the text parts are joined (see _text)."""
+    if not isinstance(record, dict):
+        raise DataError(f"record is a JSON {type(record).__name__}, not an object with 'messages' or 'conversations'")
     if record.get("messages") is not None:
-        turns, rkey, ckey = record["messages"], "role", "content"
+        key, rkey, ckey = "messages", "role", "content"
     elif record.get("conversations") is not None:
-        turns, rkey, ckey = record["conversations"], "from", "value"
+        key, rkey, ckey = "conversations", "from", "value"
     else:
         raise DataError(f"record has neither 'messages' nor 'conversations' (keys: {sorted(record)})")
+    turns = record[key]
+    if not isinstance(turns, list):
+        raise DataError(f"'{key}' is a JSON {type(turns).__name__}, not a list of turns")
     messages = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(f"{key}[{i}] is a JSON {type(turn).__name__}, not an object with '{rkey}' and '{ckey}'")
         role = ROLES.get(str(turn.get(rkey, "")).lower())
         if role is None:
             raise DataError(f"unknown role {turn.get(rkey)!r} (known: {sorted(ROLES)})")
-        content = turn.get(ckey)
-        messages.append({"role": role, "content": "" if content is None else str(content)})
+        messages.append({"role": role, "content": _text(turn.get(ckey), f"{key}[{i}].{ckey}")})
     return messages
+
+
+def _text(content, where: str) -> str:
+    """A turn's content as text: a string, a number, None (""), or chat-API content parts whose text parts are
+    joined with newlines as vLLM's chat endpoint joins them; a part of another type (an image, audio) has no text
+    a text draft could train on, so it is refused rather than stringified into the data."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (int, float)) and not isinstance(content, bool):
+        return str(content)
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise DataError(
+                    f"{where}[{j}]: a content part of type {kind!r}; only text parts "
+                    '({"type": "text", "text": ...}) are read'
+                )
+        return "\n".join(texts)
+    raise DataError(f"{where} is a JSON {type(content).__name__}, not text or a list of text parts")
 
 
 def check_template(tokenizer) -> None:

@@ -4,6 +4,7 @@ untrainable chats, feature-store bytes damaged in place. Through train.py they a
 `error: ...` exit (non-zero, no traceback) and no input file is changed or removed."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -188,3 +189,46 @@ def test_train_on_damaged_feature_shard_fails_clearly(tmp_path, tiny_run_inputs)
     )
     _fails_clearly(p, f"shard {path}: the bytes of tensor 'aux_hidden' do not match the checksum")
     assert {k: store.path(k).read_bytes() for k in keys} == before  # nothing deleted or rewritten
+
+
+# ---------------------------------------------------------------- chat-API content parts, misshaped records
+def test_openai_content_parts_are_joined_as_text():
+    from data.chat import to_messages
+
+    rec = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is 4."}]},
+            {"role": "user", "content": 7},
+        ]
+    }
+    assert [m["content"] for m in to_messages(rec)] == ["What is\n2 + 2?", "It is 4.", "7"]
+
+
+@pytest.mark.parametrize(
+    "rec,message",
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]: a content part of type 'image_url'; only text parts",
+        ),
+        ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content is a JSON dict"),
+        ({"messages": "hello"}, "'messages' is a JSON str, not a list of turns"),
+        ({"conversations": ["hello"]}, "conversations[0] is a JSON str, not an object with 'from' and 'value'"),
+        (["a", "list"], "record is a JSON list"),
+    ],
+)
+def test_misshaped_turns_are_refused(rec, message):
+    from data.chat import to_messages
+
+    with pytest.raises(DataError, match=re.escape(message)):
+        to_messages(rec)
+
+
+def test_train_on_image_parts_fails_clearly(tmp_path, tiny_run_inputs):
+    target, _ = tiny_run_inputs
+    data = tmp_path / "parts.jsonl"
+    rec = {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}, {"role": "assistant", "content": "ok"}]}
+    data.write_text(json.dumps(GOOD) + "\n" + json.dumps(rec) + "\n")
+    p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1"], check=False)
+    _fails_clearly(p, "record 1 (id ?): messages[0].content[0]: a content part of type 'input_audio'")
