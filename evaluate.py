@@ -263,6 +263,20 @@ def load_resumed(path: Path, key: dict) -> dict:
     return saved["results"]
 
 
+def check_args(a: EvalArgs):
+    """Option values that cannot work, one `error:` line each, before anything is loaded (-k 0 used to run
+    K = 3, --max-new-tokens 0 printed nan%, --num-prompts -1 meant all but one)."""
+    at_least = {"num_prompts": 0, "max_new_tokens": 1, "tree_topk": 0, "tree_depth": 1, "threads": 0, "batch": 1}
+    for name, low in at_least.items():
+        if (v := getattr(a, name)) < low:
+            hint = " (0 = all)" if name == "num_prompts" else ""
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
+    if bad := [k for k in a.k if k < 1]:
+        raise SystemExit(f"error: -k takes draft tokens per step, at least 1 each, got {' '.join(map(str, bad))}")
+    if a.dtype not in ("fp32", "bf16"):
+        raise SystemExit(f"error: --dtype must be fp32 or bf16, got {a.dtype!r}")
+
+
 def main(a: EvalArgs) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -271,23 +285,24 @@ def main(a: EvalArgs) -> dict:
     from models.target import load_tokenizer, resolve_target
     from runlog import git_commit, hardware, versions
 
+    check_args(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
     try:
         draft, recorded = open_draft(a.draft)
     except (ExportError, FileNotFoundError) as e:
-        raise SystemExit(f"cannot load the draft: {e}") from None
+        raise SystemExit(f"error: cannot load the draft: {e}") from None
     try:
         target_dir = resolve_target(a.target or recorded.get("target") or "smollm2")
     except (DataError, FileNotFoundError) as e:  # TargetError is a DataError: a broken target dir or file
-        raise SystemExit(f"cannot load the target: {e}") from None
+        raise SystemExit(f"error: cannot load the target: {e}") from None
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {a.device}: no CUDA device here")
+        raise SystemExit(f"error: --device {a.device}: no CUDA device here")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval().to(a.device)
     tok = load_tokenizer(target_dir)
     if why := target_mismatch(draft.config, model.config.to_dict(), tok, recorded):
-        raise SystemExit(f"draft {a.draft} does not fit target {target_dir}: {'; '.join(why)} (wrong --target?)")
+        raise SystemExit(f"error: draft {a.draft} does not fit target {target_dir}: {'; '.join(why)} (wrong --target?)")
     draft.to(device=a.device, dtype=dtype)
     target = TargetRunner(model, draft.config.aux_layers)
     eos = eos_ids(model, tok)
@@ -299,7 +314,7 @@ def main(a: EvalArgs) -> dict:
         try:
             proposers = [proposer_for(draft, model, depth=k) for k in a.k or (None,)]
         except ValueError as e:
-            raise SystemExit(f"-k {' '.join(map(str, a.k))}: {e}") from None
+            raise SystemExit(f"error: -k {' '.join(map(str, a.k))}: {e}") from None
     if a.ngram:
         proposers.append(NgramProposer(proposers[0].depth))
     result = {
@@ -318,7 +333,9 @@ def main(a: EvalArgs) -> dict:
     }
     replay: dict[int, list] = {}  # K -> [(dataset, prompt, output, stats)]
     if a.resume_file and a.vllm:
-        raise SystemExit("--resume-file with --vllm: the vLLM replay needs every dataset's outputs; drop one of them")
+        raise SystemExit(
+            "error: --resume-file with --vllm: the vLLM replay needs every dataset's outputs; drop one of them"
+        )
     key = resume_key(a, draft, target_dir) if a.resume_file else {}
     resumed = load_resumed(Path(a.resume_file), key) if a.resume_file else {}
     for name in a.data:

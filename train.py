@@ -243,6 +243,13 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if not math.isfinite(v) or v < low or (v == low and not closed) or v > high:
             rng = f"{'[' if closed else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number in {rng}, got {v}")
+    if len(set(cfg.aux_layers)) != len(cfg.aux_layers) or any(i < 0 for i in cfg.aux_layers):
+        raise ConfigError(f"--aux-layers {' '.join(map(str, cfg.aux_layers))}: distinct layer indices, 0 or more")
+    if cfg.ttt_length >= cfg.max_len:  # step k predicts k + 1 tokens ahead: beyond the row, no target at all
+        raise ConfigError(
+            f"--ttt-length {cfg.ttt_length} needs rows longer than it: at --max-len {cfg.max_len} TTT steps "
+            f"{cfg.max_len - 1} and later have no target token (use --ttt-length {cfg.max_len - 1} or less)"
+        )
     if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
         raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
     if cfg.optimizer not in ("adamw", "muon"):
@@ -901,7 +908,9 @@ class Trainer:
             ),
         )
         results = {}
-        if start == 0:
+        if not self.eval_set:  # accuracies over no examples would print as 0.000
+            self.print("[eval] --holdout 0: no held-out examples, so no held-out evaluation")
+        if start == 0 and self.eval_set:
             results["eval_start"] = self.evaluate()
             self.print(f"[eval @0] {fmt(results['eval_start'])}")
             self.log.write({"step": 0, "split": "eval", **results["eval_start"]})
@@ -987,7 +996,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")
             if bar:
                 bar.update(1)
-            evaluate = cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps
+            evaluate = (
+                cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps and self.eval_set
+            )
             save = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0
             if evaluate or save:
                 speed.pause(self.sync_device)  # evaluation and checkpoints are not training throughput
@@ -1012,11 +1023,13 @@ class Trainer:
         if bar:
             bar.close()
         self.save(self.total_steps)
-        results["eval_end"] = self.evaluate()
+        if self.eval_set:
+            results["eval_end"] = self.evaluate()
         results["train_seconds"] = time.time() - t0
         results["packing"] = self.packing_summary(speed)
-        self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
-        self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
+        if self.eval_set:
+            self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
+            self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
         self.log.finish(results)
         o = self.out
         self.print(

@@ -29,6 +29,10 @@ class TargetError(DataError):
     A DataError, so the entry scripts print it as `error: ...` and exit non-zero."""
 
 
+class AuxLayersError(TargetError, ValueError):
+    """--aux-layers that the target does not have (a ValueError as before, and an `error:` line in the scripts)."""
+
+
 def check_config(path: Path) -> dict:
     """The target directory's config.json, or a TargetError naming it: unreadable, not JSON, not
     an object, no model_type, or a model_type this transformers does not know (remote code is
@@ -160,7 +164,9 @@ class Target(nn.Module):
         L = self.config.num_hidden_layers
         self.aux_layers = list(aux_layers) if aux_layers else default_aux_layers(L)
         if any(not 0 <= i < L for i in self.aux_layers):
-            raise ValueError(f"aux_layers {self.aux_layers} out of range for a {L}-layer target")
+            raise AuxLayersError(
+                f"aux_layers {self.aux_layers} out of range for a {L}-layer target (--aux-layers takes 0..{L - 1})"
+            )
         self._captured: dict[int, torch.Tensor] = {}
         for i in set(self.aux_layers):
             self.model.model.layers[i].register_forward_hook(self._hook(i))

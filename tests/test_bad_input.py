@@ -92,6 +92,9 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
         ({"ttt_length": 0}, "--ttt-length must be at least 1"),
         ({"holdout": -1}, "--holdout must be at least 0"),
         ({"moe_experts": 2, "moe_top_k": 3}, "--moe-top-k 3 is more than --moe-experts 2"),
+        ({"aux_layers": (3, 3, 3)}, "--aux-layers 3 3 3: distinct layer indices, 0 or more"),
+        ({"aux_layers": (-1, 1, 2)}, "--aux-layers -1 1 2: distinct layer indices"),
+        ({"ttt_length": 100}, "--ttt-length 100 needs rows longer than it: at --max-len 64 TTT steps 63 and later"),
         (
             {"resume": True, "overwrite": True},
             "--resume continues the run in --out and --overwrite replaces it: pass one of them",
@@ -351,3 +354,40 @@ def test_no_usable_examples_says_why(tmp_path, tiny_run_inputs):
 def test_help_shows_config():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "--config" in p.stdout and "--overwrite" in p.stdout
+
+
+def test_holdout_0_skips_held_out_evaluation(tmp_path, tiny_run_inputs):
+    """No held-out split: say so, instead of printing and logging accuracies of 0.000 over no examples."""
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    p = run_train(out, target, data, 0, [*FAST, "--holdout", "0", "--steps", "2", "--eval-every", "1"])
+    assert "[eval] --holdout 0: no held-out examples, so no held-out evaluation" in p.stdout
+    assert "[eval @" not in p.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["split"] for r in rows] == ["train", "train"]
+    assert "eval_end" not in json.loads((out / "run.json").read_text())["results"]
+
+
+def test_aux_layers_out_of_range(tmp_path, tiny_run_inputs):
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "o", target, data, 0, [*FAST, "--steps", "1", "--aux-layers", "0", "1", "9"], check=False)
+    failed(p, "error: aux_layers [0, 1, 9] out of range for a 4-layer target (--aux-layers takes 0..3)")
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"k": (0,)}, "error: -k takes draft tokens per step, at least 1 each, got 0"),
+        ({"k": (3, -1)}, "got -1"),
+        ({"max_new_tokens": 0}, "error: --max-new-tokens must be at least 1, got 0"),
+        ({"num_prompts": -1}, "error: --num-prompts must be at least 0 (0 = all), got -1"),
+        ({"batch": 0}, "error: --batch must be at least 1, got 0"),
+        ({"dtype": "fp16"}, "error: --dtype must be fp32 or bf16, got 'fp16'"),
+    ],
+)
+def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
+    import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), **kw))  # refused before the draft is read
+    assert str(e.value.code) == message if message.startswith("error") else message in str(e.value.code)
