@@ -25,6 +25,7 @@ prompts     The target writes user prompts (Magpie-style self-instruct, data/sel
 """
 
 import json
+import math
 import os
 import socket
 import time
@@ -554,9 +555,28 @@ def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
     return engine
 
 
+def check_regen(cfg: RegenConfig):
+    """Option values that cannot work, one `error:` line each, before the target or data load (--batch-size 0
+    was a traceback mid-run, --max-new-tokens 0 wrote empty replies)."""
+    at_least = {"batch_size": 1, "max_new_tokens": 1, "max_prompt_len": 1, "slots": 1, "num_records": 0}
+    at_least |= {"max_turns": 0, "top_k": 0}
+    for name, low in at_least.items():
+        if (v := getattr(cfg, name)) < low:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+    for name, ok, rng in (
+        ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("time_limit", lambda v: v >= 0, "at least 0 (0 = none)"),
+        ("max_output_mb", lambda v: v >= 0, "at least 0 (0 = no limit)"),
+    ):
+        if not (math.isfinite(v := getattr(cfg, name)) and ok(v)):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
+
+
 def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
+    check_regen(cfg)
     t_start = time.time()
     deadline = t_start + cfg.time_limit if cfg.time_limit else None
     kind, dtype = pick_device(cfg.device, cfg.dtype)

@@ -266,3 +266,21 @@ def test_capture_features_of_an_empty_file_fails(tmp_path, tiny_run_inputs):
     p = cli("capture.py", "features", "--target", target, "--data", empty, "--out", tmp_path / "store")
     refused(p, f"error: {empty}: no records to capture (the file is empty)")
     assert not (tmp_path / "store").exists()  # no store marked complete
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"batch_size": 0}, "error: --batch-size must be at least 1, got 0"),
+        ({"max_new_tokens": 0}, "error: --max-new-tokens must be at least 1, got 0"),
+        ({"top_p": 0.0}, "error: --top-p must be a finite number in (0, 1], got 0.0"),
+        ({"temperature": float("nan")}, "error: --temperature must be a finite number at least 0"),
+    ],
+)
+def test_regenerate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
+    from capture import regenerate
+
+    with pytest.raises(SystemExit) as e:
+        regenerate(regen_cfg("/no/target", "/no/data.jsonl", tmp_path / "r.jsonl", **kw))
+    assert str(e.value.code).startswith(message)
+    assert not list(tmp_path.iterdir())
