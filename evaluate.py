@@ -57,12 +57,14 @@ def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[
         raise AssertionError(f"{name}: output differs from greedy decoding at token {i}")
 
 
-def split_halves(turns: list) -> list[float]:
-    """τ of the even- and of the odd-numbered turns: how far apart two halves of one set land is the
-    noise a difference between two drafts on that set has to beat."""
-    halves = [SpecStats(), SpecStats()]
-    for i, (_, _, s) in enumerate(turns):
-        halves[i % 2].add(s)
+def split_halves(turns: list, convs: list[list[str]]) -> list[float]:
+    """τ of the even- and of the odd-numbered conversations (turns: every conversation's turns in order,
+    as run_dataset returns them): how far apart two halves of one set land is the noise a difference
+    between two drafts on that set has to beat. Split by conversation, not turn: MT-Bench's second
+    turns accept differently from its first."""
+    halves, conv = [SpecStats(), SpecStats()], [c for c, turns_c in enumerate(convs) for _ in turns_c]
+    for c, (_, _, s) in zip(conv, turns, strict=True):
+        halves[c % 2].add(s)
     return [round(h.summary()["tau"], 4) for h in halves if h.summary()["target_forwards"]]
 
 
@@ -361,7 +363,7 @@ def main(a: EvalArgs) -> dict:
                 replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
             s = st.summary()
             s["seconds"] = round(sec, 1)
-            s["tau_halves"] = split_halves(turns)
+            s["tau_halves"] = split_halves(turns, convs)
             if p.needs_aux:  # the draft's proposers: tokens verified per step, tree width
                 s["k"], s["topk"] = p.depth, getattr(p, "topk", 1)
             result["results"][ds][p.name] = s

@@ -412,3 +412,21 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
     resume.write_text("{not json")  # a damaged file is not trusted
     evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
     assert decoded == [1, 1, 1, 1]
+
+
+def test_split_halves_by_conversation():
+    """evaluate.split_halves: τ of even and odd conversations, every turn of a conversation on its side
+    (MT-Bench's two turns must not become the two halves)."""
+    from evaluate import split_halves
+
+    def st(drafts, accepted):
+        return SpecStats(drafts=drafts, accepted=accepted, target_forwards=drafts + 1, accepted_per_pos=[accepted])
+
+    convs = [["a", "b"], ["c", "d"], ["e"]]  # turns in order: a b | c d | e
+    turns = [(None, None, st(10, 10)), (None, None, st(10, 0)), (None, None, st(5, 5)), (None, None, st(5, 5))]
+    turns.append((None, None, st(10, 20)))
+    # even conversations 0 and 2: 30 accepted over 30 drafts -> 2.0; odd conversation 1: 10 over 10 -> 2.0
+    assert split_halves(turns, convs) == [2.0, 2.0]
+    assert split_halves(turns[:2], convs[:1]) == [1.5]  # one conversation: one half
+    with pytest.raises(ValueError):
+        split_halves(turns[:3], convs)
