@@ -43,11 +43,13 @@ case $PHASE in
       --time-limit ${BENCH_S:-30} > $OUT/gen_bench.log 2>&1
     tail -2 $OUT/gen_bench.log | cut -c1-400
     jobs=()
-    for d in code math chat; do  # prompts: a third of what is left, answers the rest
+    for d in code math chat; do  # prompts: a quarter of what is left (or the committed ones), answers the rest
       declare -n P=${d^^}
-      (timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T --out $W/p_$d.jsonl --engine slots \
+      C=data/smollm2_domains/prompts_$d.jsonl.gz  # the committed prompts: answering them rebuilds the mix
+      (if [[ -f $C && -z ${NEW_PROMPTS:-} ]]; then zcat $C > $W/p_$d.jsonl; else
+         timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T --out $W/p_$d.jsonl --engine slots \
          --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 --seed ${SEED:-7} \
-         --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1
+         --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1; fi
        [[ -s $W/p_$d.jsonl ]] && timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
          --data $W/p_$d.jsonl --out $W/mix/a_$d.jsonl --engine slots --slots 1024 --max-new-tokens 512 \
          --max-prompt-len 512 --time-limit $(($(left) - 60)) > $OUT/answers_$d.log 2>&1) &
@@ -92,3 +94,5 @@ case $PHASE in
 esac
 kill $SMI 2>/dev/null
 ls -la $OUT
+# a call brings back only a few files: everything in one archive (split when large)
+(cd $OUT && tar czf /tmp/${PHASE}_out.tgz . && rm -rf ./* && mv /tmp/${PHASE}_out.tgz . && parts ${PHASE}_out.tgz)
