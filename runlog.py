@@ -276,3 +276,46 @@ def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None
         latest_tmp.unlink(missing_ok=True)
         raise
     return d
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far: a number that keeps growing after
+    warm-up means recompiles (a new shape every step), the usual cause of a run that crawls."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class Heartbeat:
+    """Says so when a run goes quiet: a daemon thread prints one line when nothing was marked done
+    (a training step, an evaluation batch) for `after` seconds, and again every `after` seconds while
+    it stays quiet, naming the last thing done and the graphs torch.compile has made so far. A run that
+    compiles or recompiles for minutes then shows it in its log instead of printing nothing."""
+
+    def __init__(self, after: float, say=print):
+        import threading
+
+        self.after, self.say = after, say
+        self.last = self.said = time.monotonic()
+        self.what = "start-up"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="heartbeat")
+        self._thread.start()
+
+    def mark(self, what: str):
+        self.last, self.what = time.monotonic(), what
+
+    def _watch(self):
+        while not self._stop.wait(min(self.after / 4, 5.0)):
+            now = time.monotonic()
+            quiet = now - self.last
+            if quiet >= self.after and now - max(self.said, self.last) >= self.after:
+                self.said = now
+                self.say(
+                    f"[slow] nothing finished for {quiet:.0f} s (last done: {self.what}); "
+                    f"torch.compile graphs so far: {compiled_graphs()}"
+                )
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()

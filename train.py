@@ -50,10 +50,21 @@ from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
 from optim import MuonAdamW, muon_groups
-from runlog import RunLog, Throughput, clear_previous_run, peak_flops, previous_run, run_metadata, write_checkpoint
+from runlog import (
+    Heartbeat,
+    RunLog,
+    Throughput,
+    clear_previous_run,
+    compiled_graphs,
+    peak_flops,
+    previous_run,
+    run_metadata,
+    write_checkpoint,
+)
 from tools.vllm_features import vllm_target
 
 STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
+QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
 
 
 @dataclass
@@ -521,6 +532,13 @@ class Trainer:
         if self.rank == 0:
             print(*a, flush=True)
 
+    heartbeat: Heartbeat | None = None  # while train() runs
+
+    def progress(self, what: str):
+        """Something finished (a step, an evaluation batch): the heartbeat's quiet clock restarts."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(what)
+
     def bar(self, it, desc: str, total: int | None = None):
         """`it` with a progress bar on rank 0 (--progress), for the minutes before training's own bar."""
         if not (self.cfg.progress and self.rank == 0):
@@ -718,6 +736,7 @@ class Trainer:
         # past the end reruns its first batch with weight 0
         n_iter = math.ceil(len(self.eval_set) / (bs * self.dp_size))
         for j in self.bar(range(n_iter), "eval"):
+            self.progress(f"evaluation, {j} of {n_iter} batches done" if j else "evaluation started")
             i = (j * self.dp_size + self.dp_rank) * bs
             w = float(i < len(self.eval_set))
             _, stats, counts, _ = self.forward(
@@ -886,6 +905,13 @@ class Trainer:
 
     # ---- the loop ----
     def train(self) -> dict:
+        self.heartbeat = Heartbeat(QUIET_S, self.print)
+        try:
+            return self._train()
+        finally:
+            self.heartbeat.close()
+
+    def _train(self) -> dict:
         cfg = self.cfg
         if cfg.overwrite and not cfg.resume and self.rank == 0 and (old := clear_previous_run(self.out)):
             self.print(f"[out] --overwrite: removed the previous run's {', '.join(old)} from {self.out}")
@@ -982,6 +1008,7 @@ class Trainer:
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
             self.after_step(step)
+            self.progress(f"step {step + 1}")
             speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
                 m = self.metrics(stats, counts)
@@ -991,9 +1018,15 @@ class Trainer:
                     grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
                 )
                 m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
+                m["compiled_graphs"] = compiled_graphs()  # growing after warm-up: recompiles
                 self.log.write({"step": step + 1, "split": "train", **m})
                 if bar:
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_0']:.3f}", acc3=f"{m.get('acc_3', 0):.3f}")
+                    bar.set_postfix(
+                        loss=f"{m['loss']:.3f}",
+                        acc0=f"{m['acc_0']:.3f}",
+                        acc3=f"{m.get('acc_3', 0):.3f}",
+                        graphs=m["compiled_graphs"],
+                    )
             if bar:
                 bar.update(1)
             evaluate = (
@@ -1040,27 +1073,32 @@ class Trainer:
 
 
 class StopRequest:
-    """--time-limit and SIGTERM: whether to stop, with a checkpoint, after the current step. The first SIGTERM
-    only raises a flag (a second one acts as before, i.e. kills); every rank must stop at the same step, so on
-    several ranks the flags are summed at log steps (where the loop syncs anyway), on one rank read each step."""
+    """--time-limit, SIGTERM and SIGINT: whether to stop, with a checkpoint, after the current step. The first
+    SIGTERM or Ctrl-C only raises a flag (a second one acts as before: SIGTERM kills, Ctrl-C raises
+    KeyboardInterrupt); every rank must stop at the same step, so on several ranks the flags are summed at log
+    steps (where the loop syncs anyway), on one rank read each step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, time_limit: float, device: torch.device, world: int):
         self.deadline = STARTED + time_limit if time_limit else math.inf
         self.device, self.world = device, world
-        self.signalled = False
-        self.previous = None  # the handler before ours (SIG_DFL where it was not set from Python); None: not ours
+        self.signalled = ""  # the name of the first signal received
+        self.previous = {}  # the handlers before ours (SIG_DFL where not set from Python); empty: not ours
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
-            self.previous = signal.signal(signal.SIGTERM, self.on_term)
-            if self.previous is None:
-                self.previous = signal.SIG_DFL
+            for s in self.SIGNALS:
+                before = signal.signal(s, self.on_signal)
+                self.previous[s] = signal.SIG_DFL if before is None else before
 
-    def on_term(self, signum, frame):
-        self.signalled = True
-        signal.signal(signal.SIGTERM, self.previous)
+    def on_signal(self, signum, frame):
+        self.signalled = self.signalled or signal.Signals(signum).name
+        signal.signal(signum, self.previous[signum])
+        # os.write, not print: a handler may run in the middle of a print on the main thread
+        os.write(2, f"\n[stop] {self.signalled}: stopping after this step (send it again to stop now)\n".encode())
 
     def why(self, check_ranks: bool) -> str:
         """Why to stop now ('' = go on); with several ranks only where check_ranks (the same step on all)."""
-        mine = "SIGTERM" if self.signalled else ("--time-limit" if time.monotonic() >= self.deadline else "")
+        mine = self.signalled or ("--time-limit" if time.monotonic() >= self.deadline else "")
         if self.world == 1:
             return mine
         if not check_ranks:
@@ -1069,8 +1107,9 @@ class StopRequest:
         return mine or ("another rank's stop" if flag.item() else "")
 
     def close(self):
-        if self.previous is not None and signal.getsignal(signal.SIGTERM) == self.on_term:
-            signal.signal(signal.SIGTERM, self.previous)
+        for s, before in self.previous.items():
+            if signal.getsignal(s) == self.on_signal:
+                signal.signal(s, before)
 
 
 def fmt(m: dict) -> str:

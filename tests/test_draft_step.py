@@ -100,6 +100,9 @@ def test_train_compiled_backend_and_step_follow_hf(tmp_path, tiny_run_inputs):
     run_train(tmp_path / "fast", target, data, 0, ["--steps", "3", "--backend", "compiled", "--compile"])
     hf, fast = train_rows(tmp_path / "hf"), train_rows(tmp_path / "fast")
     assert len(hf) == len(fast) == 3
+    # every log row counts torch.compile's graphs: none eager; compiled, none new after the first steps
+    assert all(r["compiled_graphs"] == 0 for r in hf)
+    assert fast[0]["compiled_graphs"] > 0 and fast[1]["compiled_graphs"] == fast[2]["compiled_graphs"]
     for a, b in zip(hf, fast):
         for k in ("loss", "loss_0", "loss_2", "acc_0", "acc_2"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)

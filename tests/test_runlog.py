@@ -28,3 +28,20 @@ def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
     git("add", "-A")
     git("commit", "-qm", "second")
     assert label.split()[-1] == git("rev-parse", "HEAD^{tree}")
+
+
+def test_heartbeat_says_when_nothing_finishes():
+    """runlog.Heartbeat: one line per quiet interval, naming the last thing done; marks keep it silent."""
+    import time
+
+    from runlog import Heartbeat
+
+    said = []
+    hb = Heartbeat(0.4, said.append)
+    for i in range(6):  # busy: something finishes every 0.1 s
+        time.sleep(0.1)
+        hb.mark(f"step {i}")
+    assert said == []
+    time.sleep(1.0)  # quiet for ~2.5 intervals: one line, then one more
+    hb.close()
+    assert 1 <= len(said) <= 3 and all("last done: step 5" in s and "torch.compile graphs so far: " in s for s in said)
