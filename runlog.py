@@ -109,8 +109,11 @@ class RunLog:
                 self._truncate_metrics(keep)
         else:
             (self.out / "metrics.jsonl").unlink(missing_ok=True)
-        self.meta = meta
-        path.write_text(json.dumps(meta, indent=1, default=str))
+        # "running" until finish() or fail() says how it ended: a run.json that still says so after the
+        # process is gone was killed outright (kill -9, out of memory, a lost machine)
+        meta.pop("error", None)
+        self.meta = {**meta, "status": "running"}
+        self._write()
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -156,14 +159,27 @@ class RunLog:
                 if isinstance(v, (int, float)) and k not in ("step", "time"):
                     self.tb.add_scalar(f"{split}/{k}", v, row.get("step", 0))
 
-    def finish(self, results: dict):
+    def _write(self):
+        (self.out / "run.json").write_text(json.dumps(self.meta, indent=1, default=str))
+
+    def finish(self, results: dict, status: str = "finished"):
+        """The run ended: "finished", or "stopped" (results["stopped_by"] says why; --resume continues it)."""
         if not self.enabled:
             return
+        self.meta["status"] = status
         self.meta["results"] = results
         self.meta["peak_memory"] = peak_memory()
-        (self.out / "run.json").write_text(json.dumps(self.meta, indent=1, default=str))
+        self._write()
         if self.tb is not None:
             self.tb.close()
+
+    def fail(self, error: str, status: str = "failed"):
+        """The run ended with an expected failure (the message the user saw) or was interrupted; before start()
+        run.json may still be an earlier run's, so nothing is written then."""
+        if not (self.enabled and self.meta):
+            return
+        self.meta.update(status=status, error=error)
+        self._write()
 
 
 # ---------------------------------------------------------------- throughput and MFU
@@ -290,12 +306,15 @@ class Heartbeat:
     """Says so when a run goes quiet: a daemon thread prints one line when nothing was marked done
     (a training step, an evaluation batch) for `after` seconds, and again every `after` seconds while
     it stays quiet, naming the last thing done and the graphs torch.compile has made so far. A run that
-    compiles or recompiles for minutes then shows it in its log instead of printing nothing."""
+    compiles or recompiles for minutes then shows it in its log instead of printing nothing. The
+    first line of each quiet stretch also shows where the thread that made the Heartbeat is (its
+    innermost frames): what it is waiting on, without a debugger."""
 
-    def __init__(self, after: float, say=print):
+    def __init__(self, after: float, say=print, frames: int = 8):
         import threading
 
-        self.after, self.say = after, say
+        self.after, self.say, self.frames = after, say, frames
+        self.owner = threading.get_ident()
         self.last = self.said = time.monotonic()
         self.what = "start-up"
         self._stop = threading.Event()
@@ -310,11 +329,23 @@ class Heartbeat:
             now = time.monotonic()
             quiet = now - self.last
             if quiet >= self.after and now - max(self.said, self.last) >= self.after:
+                first = self.said < self.last  # the first line of this quiet stretch
                 self.said = now
+                where = self.where() if first and self.frames else ""
                 self.say(
                     f"[slow] nothing finished for {quiet:.0f} s (last done: {self.what}); "
-                    f"torch.compile graphs so far: {compiled_graphs()}"
+                    f"torch.compile graphs so far: {compiled_graphs()}{where}"
                 )
+
+    def where(self) -> str:
+        import sys
+        import traceback
+
+        frame = sys._current_frames().get(self.owner)
+        if frame is None:
+            return ""
+        stack = traceback.extract_stack(frame)[-self.frames :]
+        return "; now in:\n" + "".join(f"    {f.filename}:{f.lineno} {f.name}\n" for f in stack).rstrip()
 
     def close(self):
         self._stop.set()

@@ -45,3 +45,6 @@ def test_heartbeat_says_when_nothing_finishes():
     time.sleep(1.0)  # quiet for ~2.5 intervals: one line, then one more
     hb.close()
     assert 1 <= len(said) <= 3 and all("last done: step 5" in s and "torch.compile graphs so far: " in s for s in said)
+    # the first line of the quiet stretch says where the owning thread was: here, in time.sleep's caller
+    assert "now in:" in said[0] and "test_heartbeat_says_when_nothing_finishes" in said[0]
+    assert all("now in:" not in s for s in said[1:])
