@@ -69,13 +69,17 @@ case $PHASE in
     cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
     for d in code math chat; do [[ -f $W/mix/a_$d.jsonl ]] && cp -n $W/mix/a_$d.jsonl $W/mix_data/si_$d.jsonl; done
     ls -la $W/mix_data > $OUT/mix_files.txt
-    [[ -n ${RESUME:-} ]] || (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T $EVAL --ngram \
+    # the shipped draft's τ beside the new ones (no --ngram: the n-gram baseline decodes one prompt at a time)
+    [[ -n ${RESUME:-} ]] || (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T $EVAL \
       --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
     jobs=()
     for v in a:8192 b:32768; do
       name=${v%%:*}; R=$W/run_$name
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
-      (timeout -k 20 $(($(left) - 30)) python3 train.py --target $T --data $W/mix_data --num-records 0 --holdout 512 \
+      # 2026-12-02 this stalled in its first evaluation (experiments/README.md): train.py's [slow] lines now say
+      # where it waits; TORCH_LOGS=recompiles says whether it recompiles
+      (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 20 $(($(left) - 30)) python3 train.py --target $T \
+         --data $W/mix_data --num-records 0 --holdout ${HOLDOUT:-256} \
          --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2400} --lr 3e-3 \
          --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size ${v#*:} --out $R $MODE \
          --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
