@@ -47,6 +47,9 @@ class Args:
     """seconds per mode: stop taking finished requests after this (the rate counts what finished)"""
     device: str = "cuda"
     """cuda (bf16) | cpu (fp32: a smoke run; no graphs there)"""
+    profile: int = 0
+    """after the timed part of each mode, profile this many more decode steps (torch.profiler) and print the
+    kernels and host ops that take the time (where a step goes: graph replay, sampling, prefill, syncs)"""
 
 
 def first_turns(tokenizer, source: str, n: int, max_len: int) -> list[list[int]]:
@@ -73,6 +76,21 @@ def sync(model):
         torch.cuda.synchronize()
 
 
+def profile_steps(gen: SlotGenerator, n: int, graphs: bool):
+    """n more decode steps under torch.profiler: the ops and kernels that take the time, host and device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        done = 0
+        while gen.busy() and done < n:
+            gen.step()
+            done += 1  # a step() call decodes until a request finishes: sync_every decode steps or more
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"[profile] {'graphs' if graphs else 'eager'}: {done} step() calls", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+
+
 def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
     gen = SlotGenerator(model, a.slots, a.max_prompt_len, a.max_new_tokens, eos, cuda_graphs=graphs)
     for i, p in enumerate(prompts):
@@ -89,6 +107,8 @@ def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
     sync(model)
     sec = time.time() - t0
     new = sum(map(len, got.values())) - n0
+    if a.profile and gen.busy():
+        profile_steps(gen, a.profile, graphs)
     c = model.config
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = (gen.kv_positions_read - kv0) * len(model.model.layers) * 2 * c.num_key_value_heads * c.head_dim * 2

@@ -40,7 +40,7 @@ case $PHASE in
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
     tail -2 $OUT/cuda_tests_generate.txt
     timeout 150 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
-      --time-limit ${BENCH_S:-30} > $OUT/gen_bench.log 2>&1
+      --time-limit ${BENCH_S:-30} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
     tail -2 $OUT/gen_bench.log | cut -c1-400
     jobs=()
     for d in code math chat; do  # prompts: a quarter of what is left (or the committed ones), answers the rest
