@@ -6,6 +6,11 @@
 With no arguments it trains an EAGLE-3 draft for the packaged SmolLM2-135M-Instruct on the
 packaged ShareGPT chats (CPU: fp32; GPU: bf16). Each run writes to --out: run.json (config,
 versions, git commit, hardware, results), metrics.jsonl, tb/ (TensorBoard) and ckpt/step_N/.
+
+Exit status: 0 finished (or stopped after --stop-after steps, as asked); 75 stopped early with a checkpoint by
+--time-limit, a first SIGTERM or a first Ctrl-C (--resume continues it); 1 failed (one `error:` line); 130
+interrupted without a checkpoint. run.json's "status" says the same: running | finished | stopped | failed |
+interrupted ("running" after the process is gone: it was killed outright).
 """
 
 import dataclasses
@@ -15,6 +20,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -64,6 +70,11 @@ from runlog import (
 from tools.vllm_features import vllm_target
 
 STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
+# The exit status of a run stopped early with a checkpoint (a first SIGTERM or Ctrl-C, --time-limit): not
+# finished, `--resume` continues it. 75 is sysexits.h's EX_TEMPFAIL ("try again later"), apart from 0
+# (finished, or stopped after --stop-after steps as asked) and 1 (failed: an `error:` line or a traceback).
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
 
 
@@ -144,10 +155,14 @@ class TrainConfig:
     """replace the previous run in --out (its run.json, metrics.jsonl, tb/ and ckpt/ are deleted once the new run
     has loaded its model and data); without it (or --resume) train.py refuses an --out that holds a run"""
     stop_after: int = 0
-    """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps"""
+    """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps.
+    Exit status 0: it stopped where it was told to"""
     time_limit: float = 0.0
     """stop the same way once this invocation has run this many seconds (0 = no limit), for a job with a
-    wall-clock limit; a first SIGTERM (a scheduler's, or `timeout`'s) stops it so too, after the current step"""
+    wall-clock limit; a first SIGTERM (a scheduler's, or `timeout`'s) or Ctrl-C stops it so too, after the
+    current step (a second one stops it at once, without a checkpoint). A run stopped so exits 75 (0: finished,
+    1: failed; 130: Ctrl-C before training) and its run.json says "status": "stopped" and the cause in
+    results.stopped_by; --resume continues it"""
     ckpt_every: int = 0
     """save every N steps (0 = only at the end)"""
     log_every: int = 1
@@ -1051,7 +1066,9 @@ class Trainer:
                     f"[stop] {why}: after step {n}, checkpoint {self.out / 'ckpt' / f'step_{n}'}; "
                     "continue with --resume"
                 )
-                self.log.finish({"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)})
+                self.log.finish(
+                    {"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)}, status="stopped"
+                )
                 return {"stopped_at": n, "stopped_by": why}
         if bar:
             bar.close()
@@ -1118,6 +1135,7 @@ def fmt(m: dict) -> str:
 
 
 def main(cfg: TrainConfig):
+    """Train; the exit status says how it ended (exit_status). run.json's "status" says so too."""
     trainer = None
     try:
         validate(cfg)
@@ -1126,12 +1144,28 @@ def main(cfg: TrainConfig):
         res = trainer.train()
         barrier()  # every rank's collectives (async ones of --tp too) done before any rank tears the group down
     except (DataError, FileNotFoundError, FloatingPointError, ConfigError, CheckpointError) as e:
+        if trainer is not None:
+            trainer.log.fail(str(e))
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        if trainer is not None:
+            trainer.log.fail("interrupted (SIGINT)", status="interrupted")
+        print("\ninterrupted (SIGINT): stopped without saving a checkpoint", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     finally:
         if trainer is not None and hasattr(trainer.target, "close"):  # --backend vllm: the engine process
             trainer.target.close()
         destroy()
+    if code := exit_status(res):
+        raise SystemExit(code)
     return res
+
+
+def exit_status(res: dict) -> int:
+    """0: finished, or stopped after --stop-after steps as asked; EXIT_STOPPED: stopped early by a signal or
+    --time-limit, with a checkpoint (scripts tell an unfinished run from a finished one by it)."""
+    why = res.get("stopped_by")
+    return EXIT_STOPPED if why and not why.startswith("--stop-after") else 0
 
 
 def config_path(argv: list[str]) -> str:
@@ -1145,8 +1179,6 @@ def config_path(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:

@@ -138,19 +138,33 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
         f"No checkpoint was saved before it ({tmp_path / 'nan' / 'ckpt'} has none" in p.stderr
     )  # names none that does not exist
     assert not (tmp_path / "nan" / "ckpt").exists()  # (a run with a checkpoint: tests/test_bad_input.py)
+    run = json.loads((tmp_path / "nan" / "run.json").read_text())  # the record says how it ended
+    assert run["status"] == "failed" and run["error"].startswith("non-finite loss at step 0")
 
 
 def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
-    """--time-limit (start-up counts, so a tiny limit stops after the first step) saves and says how to go on."""
+    """--time-limit (start-up counts, so a tiny limit stops after the first step) saves and says how to go on;
+    an unfinished run exits EXIT_STOPPED (75), not 0, and run.json says it stopped and why."""
+    from train import EXIT_STOPPED
+
     target, data = tiny_run_inputs
-    p = run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--time-limit", "0.001"])
+    p = run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--time-limit", "0.001"], check=False)
+    assert p.returncode == EXIT_STOPPED == 75, (p.stdout + p.stderr)[-2000:]
     assert (tmp_path / "t" / "ckpt" / "latest").read_text() == "step_1"
     assert "[stop] --time-limit: after step 1" in p.stdout + p.stderr
-    assert '"stopped_by": "--time-limit"' in (tmp_path / "t" / "run.json").read_text()
+    run = json.loads((tmp_path / "t" / "run.json").read_text())
+    assert run["status"] == "stopped" and run["results"]["stopped_by"] == "--time-limit"
+    # --resume finishes it: exit 0, and run.json now says finished
+    run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--resume"])
+    assert json.loads((tmp_path / "t" / "run.json").read_text())["status"] == "finished"
 
 
-def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_inputs):
-    """A scheduler's (or `timeout`'s) SIGTERM ends the run at a step boundary with a checkpoint, exit 0."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_inputs, sig):
+    """A scheduler's (or `timeout`'s) SIGTERM, or Ctrl-C, ends the run at a step boundary with a checkpoint;
+    the exit status (75) tells scripts the run is unfinished, and run.json says it stopped and why."""
+    from train import EXIT_STOPPED
+
     target, data = tiny_run_inputs
     out = tmp_path / "s"
     args = ["--target", str(target), "--data", str(data), "--out", str(out), *TINY_TRAIN, "--steps", "100000"]
@@ -168,14 +182,21 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_input
         while not ((out / "metrics.jsonl").exists() and len(train_rows(out)) >= 2):
             assert p.poll() is None and time.time() < deadline, "train.py ended or stalled before training"
             time.sleep(0.2)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         log, _ = p.communicate(timeout=120)
     finally:
         p.kill()
-    assert p.returncode == 0, log[-2000:]
+    assert p.returncode == EXIT_STOPPED, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
     step = int((out / "ckpt" / "latest").read_text().removeprefix("step_"))
-    assert 2 <= step < 100000 and f"[stop] SIGTERM: after step {step}" in log
+    assert 2 <= step < 100000 and f"[stop] {sig.name}: after step {step}" in log
     assert train_rows(out)[-1]["step"] == step  # the checkpoint is the last step trained
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "stopped" and run["results"] == {
+        **run["results"],
+        "stopped_by": sig.name,
+        "stopped_at": step,
+    }
 
 
 def test_batch_tokens_needs_packing(tmp_path, tiny_run_inputs):
