@@ -246,7 +246,7 @@ def main(args: Args):
         bench_attention("ttt_attention", attn_step, args.attention, "eager")
 
     # ----------------------------------------------------------------------- one TTT step's call
-    # The protocol of SpecForge's flex-vs-eager figures (../shared/device/README.md): one attention
+    # The protocol of SpecForge's flex-vs-eager figures (BENCHMARKS.md, "TTT attention, one call"): one attention
     # call, the last TTT step's (queries of one step against the keys of all n steps). eager_dense
     # is their eager: keys concatenated, [T, n T] logits materialised under the dense TTT mask.
     def ttt_attention_dense(q, ks, vs):

@@ -1,7 +1,7 @@
 """EAGLE-3 draft (Li et al., 2025, "EAGLE-3: Scaling up Inference Acceleration of LLMs via
 Training-Time Test") and its training-time-test objective.
 
-Architecture (parameter names are the serving format's, see DESIGN.md):
+Architecture (parameter names are the serving format's, DESIGN.md "Serving formats"):
   fc:        [3*H_t -> H]   fuses three target layers' hidden states
   midlayer:  one Llama decoder layer whose q/k/v read concat(input_layernorm(embed),
              hidden_norm(hidden)) [2H]; residual is the un-normed hidden

@@ -1,4 +1,4 @@
-"""What a draft family is to the rest of the code (DESIGN.md, "Strategy contract"): the fields of
+"""What a draft family is to the rest of the code (DESIGN.md, "Family contract"): the fields of
 `Family`, which each family's file in models/ fills in at its end (`FAMILY = Family(...)`);
 models/families.py lists them, one line each. train.py, export.py, evaluate.py and gate.py reach a
 family only through that list, so adding one is a new file here plus one line there.

@@ -1,7 +1,7 @@
 """The frozen target model: load it (HF directory, GGUF file, or the packaged default) and
 capture the features a draft trains on.
 
-Index conventions (see DESIGN.md): `aux_layers` are 0-based decoder-layer indices whose
+Index conventions (DESIGN.md, "Index conventions"): `aux_layers` are 0-based decoder-layer indices whose
 *outputs* we capture; layer i's output is HF `output_hidden_states[i + 1]`. The EAGLE-3
 default is [1, L//2 - 1, L - 4]. The final hidden state is after the model's final norm, so
 `logits = lm_head(final_hidden)`.

@@ -19,6 +19,7 @@ LIBRARY = (
     "config",
     "distributed",
     "features",
+    "optim",
     "runlog",
     "speculative",
     "data",
