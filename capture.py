@@ -74,9 +74,42 @@ class FeaturesConfig:
     device: str = "auto"
 
 
+def check_out(out: Path, is_dir: bool):
+    """--out before anything is loaded: a store directory (features) or an output file (regenerate,
+    prompts) that can be written, as one error line (they were a PermissionError or an OSError from a
+    mkdir deep in the run, after the target had loaded). Nothing of an existing --out is changed."""
+    import errno
+    import tempfile
+
+    if not is_dir and out.is_dir():
+        raise SystemExit(f"error: --out {out} is a directory; give a file name")
+    if is_dir and out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file; the feature store is a directory")
+    where = out if is_dir else out.parent
+    while not where.exists() and where != where.parent:  # nothing is created here: a probe in the nearest
+        where = where.parent  # existing directory, where the run's mkdir would write
+    if not where.is_dir():
+        raise SystemExit(f"error: --out {out}: {where} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+        if not is_dir and out.exists():
+            open(out, "ab").close()  # appending nothing: the file is writable, its bytes untouched
+    except OSError as e:
+        why = {
+            errno.EROFS: "it is on a read-only file system",
+            errno.EACCES: "no permission to write there",
+            errno.EPERM: "no permission to write there",
+            errno.ENOSPC: "no space left on that device",
+        }.get(e.errno, e.strerror or str(e))
+        raise SystemExit(f"error: --out {out}: cannot write there: {why}") from None
+
+
 def features(cfg: FeaturesConfig) -> dict:
     if cfg.backend not in BACKENDS:
         raise SystemExit(f"error: --backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    check_out(Path(cfg.out), is_dir=True)
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     t_start = time.time()
     rank, world, local = init_distributed(kind)
@@ -577,6 +610,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
     check_regen(cfg)
+    check_out(Path(cfg.out), is_dir=False)
     t_start = time.time()
     deadline = t_start + cfg.time_limit if cfg.time_limit else None
     kind, dtype = pick_device(cfg.device, cfg.dtype)
@@ -837,6 +871,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
 
     from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized, query_prefix
 
+    check_out(Path(cfg.out), is_dir=False)
     t_start = time.time()
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     device = torch.device(kind)

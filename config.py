@@ -51,26 +51,77 @@ class DeployConfig:
     """leases of one prompt before the run fails (a prompt that kills or stalls every producer)"""
 
 
-def _build(cls, data: dict, where: str):
-    """A dataclass from a mapping: nested dataclasses from nested mappings, tuples from lists."""
+def _build(cls, data, where: str):
+    """A dataclass from a mapping: nested dataclasses from nested mappings, tuples from lists; every value
+    checked against its field's type (tyro checks flags, nothing checks a YAML default), so `steps: "two"`
+    is one error line here rather than a TypeError deep in the run."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"error: {where}: expected a mapping of option: value, got {_kind(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     nested = {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(_plain(hints[f.name]))}
     flat = {n: sub for sub in nested for n in (f.name for f in dataclasses.fields(_plain(nested[sub])))}
     kw, sub_kw = {}, {s: {} for s in nested}
-    for k, v in (data or {}).items():
-        k = k.replace("-", "_")
+    for k, v in data.items():
+        k = str(k).replace("-", "_")
         if k in nested:
+            if v is not None and not isinstance(v, dict):
+                raise SystemExit(f"error: {where}: {k}: expected a mapping of option: value, got {_kind(v)}")
             sub_kw[k].update(v or {})
         elif k in names:
-            kw[k] = tuple(v) if isinstance(v, list) else v
+            kw[k] = _value(v, _plain(hints[k]), f"{where}: {k}")
         elif k in flat:  # a deployment field written at top level, like its flag
             sub_kw[flat[k]][k] = v
         else:
-            raise SystemExit(f"{where}: unknown config key {k!r}")
+            raise SystemExit(f"error: {where}: unknown config key {k!r}")
     for s, d in sub_kw.items():
         kw[s] = _build(_plain(nested[s]), d, f"{where}: {s}")
     return cls(**kw)
+
+
+def _kind(v) -> str:
+    return f"{type(v).__name__} {v!r}" if not isinstance(v, (dict, list)) else f"a {type(v).__name__}"
+
+
+def _value(v, tp, where: str):
+    """v as a value of type tp (bool, int, float, str, a Literal, tuple[int, ...]), else one error line."""
+
+    def bad(want: str):
+        return SystemExit(f"error: {where}: expected {want}, got {_kind(v)}")
+
+    if typing.get_origin(tp) is typing.Literal:
+        if v not in typing.get_args(tp):
+            raise bad("one of " + ", ".join(map(repr, typing.get_args(tp))))
+        return v
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        if not isinstance(v, list):
+            raise bad(f"a list of {item.__name__}")
+        return tuple(_value(x, item, where) for x in v)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise bad("true or false")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad("a whole number")
+        return v
+    if tp is float:
+        if isinstance(v, str):  # YAML 1.1 reads 1e-3 (no dot) as a string; the flag takes it
+            try:
+                return float(v)
+            except ValueError:
+                raise bad("a number") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad("a number")
+        return float(v)
+    if tp is str:
+        if isinstance(v, (dict, list)) or v is None:
+            raise bad("a string")
+        return str(v)  # e.g. `out: 2024`, a number YAML read as one
+    return v
 
 
 def _plain(tp):
@@ -79,9 +130,19 @@ def _plain(tp):
 
 def load_yaml(cls, path):
     p = Path(path)
-    if not p.exists():
-        raise SystemExit(f"--config {path}: not found")
-    return _build(cls, yaml.safe_load(p.read_text()) or {}, str(path))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SystemExit(f"error: --config {path}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, a binary file
+        raise SystemExit(f"error: --config {path}: cannot be read as a YAML file ({type(e).__name__}: {e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise SystemExit(f"error: --config {path}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    return _build(cls, data, f"--config {path}")
 
 
 def dump_yaml(cfg, path):
@@ -97,7 +158,7 @@ def cli(cls, args=None):
         if a == "--config" or a.startswith("--config="):
             path = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
             if path is None:
-                raise SystemExit("--config needs a YAML file")
+                raise SystemExit("error: --config needs a YAML file")
             del args[i : i + (1 if "=" in a else 2)]
             default = load_yaml(cls, path)
             break

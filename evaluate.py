@@ -288,6 +288,10 @@ def main(a: EvalArgs) -> dict:
     from runlog import git_commit, hardware, versions
 
     check_args(a)
+    try:  # every prompt set read before the models load: a bad file is one line now, not a traceback later
+        prompt_sets = {name: load_prompts(name, a.num_prompts) for name in a.data}
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
@@ -350,7 +354,7 @@ def main(a: EvalArgs) -> dict:
                 flush=True,
             )
             continue
-        convs = load_prompts(name, a.num_prompts)
+        convs = prompt_sets[name]
         result["results"][ds] = {}
         for p in proposers:
             if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)

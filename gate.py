@@ -16,7 +16,8 @@ served by a real engine with near-perfect acceptance and the target's own greedy
             reference + our acceptance), then vLLM (own virtualenv, created if missing) with
             the family's speculative method and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
             require τ_vllm - 1 >= --min-accept * K and served tokens == the greedy reference.
-Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>`.
+Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>` (a bad option or input
+file, e.g. --data, --sample, --target: `error: <why>`, failed_stage "input" in gate.json).
 With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint. --ckpt may also be
 a serving dir (e.g. the shipped drafts/smollm2-135m-eagle3): it is served as it is, after a check that
 it fits the target (hidden size, vocabulary, aux layers, tokenizer); without --sample, stage 1 picks
@@ -33,6 +34,28 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parent
+
+
+class InputError(Exception):
+    """A bad option or input file (--data, --sample, --ckpt): `error: ...`, not a gate verdict."""
+
+
+SAMPLE_KEYS = ("target", "prompt_ids", "served_tokens", "eos_ids")  # what stages 2-3 read of a sample.json
+
+
+def load_sample(path: Path) -> dict:
+    """A sample.json of an earlier gate run, checked for what the later stages read (a wrong file was a
+    JSONDecodeError or KeyError traceback)."""
+    try:
+        sample = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"--sample {path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"--sample {path}: not a sample.json of a gate run ({type(e).__name__}: {e})") from None
+    missing = [k for k in SAMPLE_KEYS if not isinstance(sample, dict) or k not in sample]
+    if missing:
+        raise InputError(f"--sample {path}: not a sample.json of a gate run (no {', '.join(missing)})")
+    return sample
 
 
 class GateFailure(Exception):
@@ -116,6 +139,9 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
         check_template(tok)
     except DataError as e:
         raise GateFailure("sample", str(e)) from None
+    records = load_records(cfg.data, cfg.scan_records)  # before the model: a bad file fails at once
+    if not records:
+        raise InputError(f"--data {cfg.data}: no records in it (empty)")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     eos = eos_ids(model, tok)
     runner = TargetRunner(model)
@@ -123,7 +149,7 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
     # a few tokens more than served, so the draft is also trained where the engine's last
     # verification step drafts past the served length
     gen_len = cfg.response_tokens + cfg.k + 1
-    for idx, rec in enumerate(load_records(cfg.data, cfg.scan_records)):
+    for idx, rec in enumerate(records):
         try:
             user = next((m["content"] for m in to_messages(rec) if m["role"] == "user" and m["content"].strip()), None)
         except DataError:
@@ -378,6 +404,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
 
 
 def main(cfg: GateConfig) -> int:
+    from data.chat import DataError  # TargetError too: a broken target dir or file
+
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -386,9 +414,9 @@ def main(cfg: GateConfig) -> int:
         if cfg.ckpt:
             ckpt = Path(cfg.ckpt)
             if not ckpt.exists():
-                raise GateFailure("sample", f"--ckpt {ckpt}: no such directory")
+                raise InputError(f"--ckpt {ckpt}: no such directory")
             if cfg.sample:
-                sample = json.loads(Path(cfg.sample).read_text())
+                sample = load_sample(Path(cfg.sample))
             elif (ckpt / "model.safetensors").exists():
                 sample = select_sample(cfg, out)
             else:
@@ -403,6 +431,11 @@ def main(cfg: GateConfig) -> int:
         report.update(passed=False, failed_stage=e.stage, reason=e.why, seconds=round(time.time() - t0, 1))
         (out / "gate.json").write_text(json.dumps(report, indent=1))
         print(f"GATE FAILED at {e.stage}: {e.why}", file=sys.stderr, flush=True)
+        return 1
+    except (InputError, DataError, FileNotFoundError) as e:  # the gate never judged a draft: no verdict
+        report.update(passed=False, failed_stage="input", reason=str(e), seconds=round(time.time() - t0, 1))
+        (out / "gate.json").write_text(json.dumps(report, indent=1))
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     report.update(passed=True, seconds=round(time.time() - t0, 1))
     (out / "gate.json").write_text(json.dumps(report, indent=1))

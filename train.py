@@ -441,11 +441,11 @@ class Trainer:
         if cfg.objective == "auto":
             cfg = dataclasses.replace(cfg, objective=self.family.objectives[0])
         if cfg.objective not in self.family.objectives:
-            raise SystemExit(
+            raise ConfigError(
                 f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}"
             )
         if cfg.compile and cfg.objective.startswith("lk"):
-            raise SystemExit(
+            raise ConfigError(
                 "--compile with the LK objectives is untested "
                 "(their batch-mean acceptance is all-reduced inside the step)"
             )
@@ -453,13 +453,13 @@ class Trainer:
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
         if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
-            raise SystemExit(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
+            raise ConfigError(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
         if kind == "cpu" and cfg.attention.startswith("flex"):
-            raise SystemExit(
+            raise ConfigError(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
             )
         if cfg.backend not in ("auto", *BACKENDS):
-            raise SystemExit(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+            raise ConfigError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
         self.cfg = cfg
         self.rank, self.world, local = init_distributed(kind)
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")

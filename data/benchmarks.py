@@ -22,19 +22,46 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
     elif name == "gsm8k":
         turns = [[json.loads(x)["question"]] for x in open(asset_path("gsm8k")) if x.strip()]
     else:
-        path = Path(name)
-        if not path.exists():
-            raise SystemExit(f"unknown dataset {name!r}: use {', '.join(DATASETS)} or a JSONL file")
-        turns = []
-        for lineno, line in enumerate(open(path), 1):
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if "messages" in r:
-                t = [m["content"] for m in r["messages"] if m["role"] == "user"]
-            else:
-                t = r.get("turns") or [r.get("prompt")]
-            if not t or not all(isinstance(x, str) for x in t):
-                raise SystemExit(f"{path}:{lineno}: expected 'prompt', 'turns' or 'messages'")
-            turns.append(t)
+        turns = read_prompt_file(name)
     return turns[:n] if n else turns
+
+
+def read_prompt_file(name: str) -> list[list[str]]:
+    """A JSONL file of prompts, one conversation per line: {"prompt": str}, {"turns": [str, ...]} or
+    {"messages": [{"role", "content"}, ...]} (its user turns). Anything else is a DataError naming the line."""
+    from data.chat import DataError
+    from data.datasets import json_line_error, text_lines
+
+    path = Path(name)
+    if not path.is_file():
+        raise DataError(
+            f"unknown dataset {name!r}: use {', '.join(DATASETS)} or a JSONL file"
+            + (" (a directory is not one)" if path.is_dir() else "")
+        )
+    expected = "expected an object with 'prompt' (a string), 'turns' (strings) or 'messages' ({role, content} objects)"
+    turns = []
+    for lineno, line in text_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: {json_line_error(e, line)}") from None
+        if not isinstance(r, dict):
+            raise DataError(f"{path}:{lineno}: {expected}, got a {type(r).__name__}")
+        if "messages" in r:
+            msgs = r["messages"]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+                raise DataError(f"{path}:{lineno}: 'messages' must be a list of {{role, content}} objects")
+            t = [m.get("content") for m in msgs if m.get("role") == "user"]
+            if not t:
+                raise DataError(f"{path}:{lineno}: 'messages' has no user turn")
+        else:
+            t = r.get("turns") or [r.get("prompt")]
+        if not isinstance(t, list) or not t or not all(isinstance(x, str) for x in t):
+            raise DataError(f"{path}:{lineno}: {expected}, got keys {sorted(r)}")
+        turns.append(t)
+    if not turns:
+        raise DataError(f"{path}: no prompts in it (empty)")
+    return turns

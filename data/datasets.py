@@ -46,19 +46,61 @@ def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict
     return records
 
 
-def _find_bad_json_line(path: Path) -> str:
+def text_lines(path: Path):
+    """(line number, line) of a text file, decompressing .gz: a byte that is not UTF-8 or a gzip stream that
+    is cut off or damaged is a DataError naming the file and line (they were a UnicodeDecodeError or an
+    EOFError from deep inside the reader). Each line is decoded alone so that the line number is exact."""
     import gzip
+    import zlib
 
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
+    lineno = 0
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})"
-                if not isinstance(rec, dict):
-                    return f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}"
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                        "line); convert the file to UTF-8"
+                    ) from None
+                yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise DataError(f"{path}: the gzip data is cut off or damaged after line {lineno} ({e})") from None
+
+
+def json_line_error(e: json.JSONDecodeError, line: str) -> str:
+    """Where a JSON line is malformed. The line is parsed without its newline: with it, a line cut off
+    mid-record failed at 'line 2 column 1', i.e. every such message said column 1."""
+    where = "the end of the line: cut off?" if e.pos >= len(line) else f"column {e.colno}"
+    return f"malformed JSON line ({e.msg.removesuffix(' at')} at {where})"  # 'Unterminated string starting at'
+
+
+def _find_bad_json_line(path: Path) -> str:
+    """Why `datasets` could not read a .json(.gz) file: one JSON document (e.g. an array of records) is
+    parsed whole, so the line and column are the document's; JSON lines one by one."""
+    text = "".join(line for _, line in text_lines(path))
+    first = next((x for x in text.splitlines() if x.strip()), "")
+    try:
+        is_lines = isinstance(json.loads(first), dict) and first.strip() != text.strip()
+    except json.JSONDecodeError:
+        is_lines = False
+    if not is_lines:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"{path}:{e.lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+        if isinstance(doc, list) and (bad := next((r for r in doc if not isinstance(r, dict)), None)) is not None:
+            return f"{path}: expected a JSON array of objects, got a {type(bad).__name__} in it"
+        return f"{path}: could not be read as JSON lines or a JSON array"
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path}:{lineno}: {json_line_error(e, line)}"
+            if not isinstance(rec, dict):
+                return f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}"
     return f"{path}: could not be read as JSON lines or a JSON array"
 
 
@@ -79,23 +121,21 @@ def read_jsonl(files: list[Path], limit: int | None = None) -> list[dict]:
     """JSON lines read with the standard library: records may differ in their other fields (a
     self-instruct file beside a regenerated one; `datasets` infers one Arrow schema and fails on
     that), a bad line is named by file and line number, and the GPU box needs no `datasets`."""
-    import gzip
-
     out = []
     for path in files:
-        with (gzip.open if path.name.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and len(out) >= limit:
-                    return out
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno})") from None
-                if not isinstance(rec, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-                out.append(rec)
+        for lineno, line in text_lines(path):
+            if limit is not None and len(out) >= limit:
+                return out
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: {json_line_error(e, line)}") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
+            out.append(rec)
     return out
 
 

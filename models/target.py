@@ -71,6 +71,30 @@ def check_config(path: Path) -> dict:
     return cfg
 
 
+def check_weights(path: Path) -> None:
+    """Every *.safetensors file of a target directory whole: a readable header, and as many bytes as the
+    tensors it lists. A truncated or incompletely copied file was a SafetensorError from deep inside
+    from_pretrained; reading the headers costs a few KB a file."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        damaged = f"{f} is damaged or incompletely copied"
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 or 8 + n > size:
+                    raise TargetError(f"{damaged}: {size} bytes, its header alone needs {8 + n}")
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except TargetError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # not a safetensors header
+            raise TargetError(f"{damaged}: its header cannot be read ({type(e).__name__}: {e})") from None
+        except OSError as e:
+            raise TargetError(f"{f} cannot be read ({type(e).__name__}: {e})") from None
+        if 8 + n + end > size:
+            raise TargetError(f"{damaged}: {size} bytes, its tensors end at byte {8 + n + end} (truncated?)")
+
+
 def check_gguf(path: Path) -> None:
     """Fail at once, before a conversion starts, on a file that is not GGUF."""
     try:
@@ -101,6 +125,7 @@ def resolve_target(spec: str) -> Path:
         raise FileNotFoundError(f"target '{spec}' not found: pass an HF model directory, a .gguf file, or 'smollm2'")
     if gguf.is_dir():
         check_config(gguf)
+        check_weights(gguf)
         return gguf
     if gguf.suffix != ".gguf":
         raise TargetError(f"target file {gguf} is not a .gguf file; pass a Hugging Face model directory instead")

@@ -110,6 +110,20 @@ def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "kw,message",
+    [  # refused in Trainer.__init__ before anything loads; these lacked the 'error: ' prefix (issue 35)
+        ({"objective": "foo"}, "error: --objective 'foo' is not one of eagle3's: kl, "),
+        ({"attention": "nope"}, "error: --attention must be one of "),
+        ({"backend": "nope"}, "error: --backend must be auto or one of "),
+        ({"attention": "flex", "device": "cpu"}, "error: --attention flex has no backward on CPU"),
+    ],
+)
+def test_family_option_refusals_are_error_lines(tmp_path, tiny_run_inputs, kw, message):
+    msg = main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), message)
+    assert msg.startswith(message)
+
+
 def test_batch_must_split_over_ranks(monkeypatch, tiny_run_inputs, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "4")
     import train

@@ -232,3 +232,232 @@ def test_train_on_image_parts_fails_clearly(tmp_path, tiny_run_inputs):
     data.write_text(json.dumps(GOOD) + "\n" + json.dumps(rec) + "\n")
     p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1"], check=False)
     _fails_clearly(p, "record 1 (id ?): messages[0].content[0]: a content part of type 'input_audio'")
+
+
+# ---------------------------------------------------------------- bytes that are not text, files cut off (issue 35)
+def _not_utf8(path: Path) -> Path:
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"messages": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    return path
+
+
+def _cut_gz(path: Path) -> Path:
+    import gzip
+
+    z = gzip.compress(((json.dumps(GOOD) + "\n") * 400).encode())
+    path.write_bytes(z[: len(z) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    "name,make,message",
+    [
+        ("a.jsonl", _not_utf8, "a.jsonl:2: not UTF-8 text (byte 0xe9 at byte 18 of the line)"),
+        ("a.json", _not_utf8, "a.json:2: not UTF-8 text (byte 0xe9"),  # the `datasets` path
+        ("a.jsonl.gz", _cut_gz, "a.jsonl.gz: the gzip data is cut off or damaged after line"),
+        ("a.json.gz", _cut_gz, "a.json.gz: the gzip data is cut off or damaged after line"),
+    ],
+)
+def test_undecodable_data_is_a_data_error(tmp_path, name, make, message):
+    """Were a UnicodeDecodeError and an EOFError traceback (train, capture and gate read data this way)."""
+    from data.datasets import load_records
+
+    f = make(tmp_path / name)
+    with pytest.raises(DataError) as e:
+        load_records(str(f))
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [  # before: "column 1" for a line cut off (the parse ran past its newline) and for any line of a JSON array
+        ('{"messages": [}\n', "a.jsonl:2: malformed JSON line (Expecting value at column 15)"),
+        ('{"messages": [{"role": "user"', "a.jsonl:2: malformed JSON line (Expecting ',' delimiter at the end"),
+    ],
+)
+def test_malformed_json_line_says_where(tmp_path, text, message):
+    from data.datasets import load_records
+
+    f = tmp_path / "a.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + text)
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_records(str(f))
+
+
+def test_malformed_json_array_names_its_line_and_column(tmp_path):
+    from data.datasets import load_records
+
+    f = tmp_path / "a.json"
+    f.write_text("[\n" + json.dumps(GOOD) + ",\n" + '  {"messages": [}\n]\n')
+    with pytest.raises(DataError, match=re.escape("a.json:3: malformed JSON (Expecting value at column 17)")):
+        load_records(str(f))
+
+
+@pytest.mark.parametrize("case", ["not_utf8", "cut_gz"])
+def test_train_on_undecodable_data_fails_clearly(tmp_path, tiny_run_inputs, case):
+    target, _ = tiny_run_inputs
+    data = _not_utf8(tmp_path / "a.jsonl") if case == "not_utf8" else _cut_gz(tmp_path / "a.jsonl.gz")
+    p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1", "--num-records", "0"], check=False)
+    _fails_clearly(p, "not UTF-8 text" if case == "not_utf8" else "the gzip data is cut off")
+
+
+def test_truncated_target_weights_are_named(tmp_path, tiny_run_inputs):
+    """A model.safetensors cut off (an interrupted copy) was a SafetensorError traceback from from_pretrained."""
+    import shutil
+
+    target, data = tiny_run_inputs
+    bad = tmp_path / "t"
+    shutil.copytree(target, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(TargetError, match=rf"{w} is damaged or incompletely copied: \d+ bytes, its tensors end at"):
+        resolve_target(str(bad))
+    w.write_bytes(b"\x00" * 4)  # not even a header
+    with pytest.raises(TargetError, match="its header alone needs"):
+        resolve_target(str(bad))
+    p = run_train(tmp_path / "out", bad, data, 0, ["--steps", "1"], check=False)
+    _fails_clearly(p, f"{w} is damaged or incompletely copied")
+
+
+# ---------------------------------------------------------------- train.py --config (issue 35)
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("- steps\n- 2\n", "expected a mapping of option: value, got a list"),
+        ('steps: "two"\n', "steps: expected a whole number, got str 'two'"),
+        ("lr: fast\n", "lr: expected a number, got str 'fast'"),
+        ("lr: 1e-3\nsteps: 2\n", None),  # YAML reads 1e-3 as a string; the flag takes it, so does the file
+        ("deploy: 5\n", "deploy: expected a mapping of option: value, got int 5"),
+        ("role: boss\n", "deploy: role: expected one of '', 'producer', 'consumer', got str 'boss'"),  # started a run
+        ("aux_layers: 3\n", "aux_layers: expected a list of int, got int 3"),
+        ("progress: maybe\n", "progress: expected true or false, got str 'maybe'"),
+        ("steps: [1, 2\n", "not valid YAML at line 2, column 1"),
+        ("stepz: 3\n", "unknown config key 'stepz'"),
+    ],
+)
+def test_config_file_values_are_checked(tmp_path, text, message):
+    from config import cli
+    from train import TrainConfig
+
+    y = tmp_path / "run.yaml"
+    y.write_text(text)
+    if message is None:
+        cfg = cli(TrainConfig, ["--config", str(y)])
+        assert (cfg.lr, cfg.steps) == (1e-3, 2)
+        return
+    with pytest.raises(SystemExit) as e:
+        cli(TrainConfig, ["--config", str(y)])
+    assert str(e.value.code) == f"error: --config {y}: {message}" or (
+        message.startswith("not valid") and str(e.value.code).startswith(f"error: --config {y}: {message}")
+    )
+
+
+def test_config_file_that_is_not_yaml_text(tmp_path):
+    from config import cli
+    from train import TrainConfig
+
+    for path, message in [(tmp_path, "IsADirectoryError"), (_cut_gz(tmp_path / "a.gz"), "UnicodeDecodeError")]:
+        with pytest.raises(SystemExit, match=f"error: --config {path}: cannot be read as a YAML file \\({message}"):
+            cli(TrainConfig, ["--config", str(path)])
+    with pytest.raises(SystemExit, match="error: --config .*: not found"):
+        cli(TrainConfig, ["--config", str(tmp_path / "none.yaml")])
+
+
+# ---------------------------------------------------------------- evaluate.py prompts files (issue 35)
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"x": 1}\n', "a.jsonl:1: expected an object with 'prompt' (a string), 'turns' (strings) or 'messages'"),
+        ("not json\n", "a.jsonl:1: malformed JSON line (Expecting value at column 1)"),
+        ("[1]\n", "a.jsonl:1: expected an object with 'prompt'"),
+        ('{"messages": "hi"}\n', "a.jsonl:1: 'messages' must be a list of {role, content} objects"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}\n', "a.jsonl:1: 'messages' has no user turn"),
+        ('{"turns": ["a", 2]}\n', "a.jsonl:1: expected an object with 'prompt'"),
+        ("", "a.jsonl: no prompts in it (empty)"),
+        (None, "a.jsonl:1: not UTF-8 text"),
+    ],
+)
+def test_evaluate_refuses_bad_prompts_before_loading(tmp_path, text, message):
+    """Were a KeyError / JSONDecodeError / TypeError traceback, after the target and draft had loaded."""
+    import evaluate
+
+    f = tmp_path / "a.jsonl"
+    if text is None:
+        f.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    else:
+        f.write_text(text)
+    with pytest.raises(SystemExit) as e:  # the draft does not exist: nothing was loaded before the refusal
+        evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), data=(str(f),)))
+    assert str(e.value.code).startswith(f"error: {f.parent}/{message}"), e.value.code
+
+
+def test_evaluate_reads_good_prompt_files(tmp_path):
+    from data.benchmarks import load_prompts
+
+    f = tmp_path / "a.jsonl"
+    f.write_text('{"prompt": "p"}\n\n{"turns": ["a", "b"]}\n' + json.dumps(GOOD) + "\n")
+    assert load_prompts(str(f), 0) == [["p"], ["a", "b"], ["What is 2 + 2?"]]
+
+
+# ---------------------------------------------------------------- capture.py --out (issue 35)
+@pytest.mark.parametrize("command", ["features", "regenerate", "prompts"])
+def test_capture_out_read_only_fails_before_loading(tmp_path, monkeypatch, command):
+    """Was a PermissionError / OSError traceback from a mkdir or touch, after the target had loaded."""
+    import errno
+    import tempfile
+
+    import capture
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = tmp_path / ("store" if command == "features" else "out.jsonl")
+    kw = dict(target="/no/target", out=str(out))
+    run, cfg = {
+        "features": (capture.features, capture.FeaturesConfig(data="/no/data.jsonl", **kw)),
+        "regenerate": (capture.regenerate, capture.RegenConfig(data="/no/data.jsonl", **kw)),
+        "prompts": (capture.write_prompts, capture.PromptsConfig(**kw)),
+    }[command]
+    with pytest.raises(SystemExit) as e:
+        run(cfg)
+    assert str(e.value.code) == f"error: --out {out}: cannot write there: it is on a read-only file system"
+
+
+def test_capture_out_of_the_wrong_kind(tmp_path):
+    import capture
+
+    f = tmp_path / "a.jsonl"
+    f.write_text("x")
+    with pytest.raises(SystemExit, match=f"error: --out {f} is a file; the feature store is a directory"):
+        capture.features(capture.FeaturesConfig(target="/no/target", out=str(f)))
+    with pytest.raises(SystemExit, match=f"error: --out {tmp_path} is a directory; give a file name"):
+        capture.regenerate(capture.RegenConfig(target="/no/target", out=str(tmp_path)))
+    assert f.read_text() == "x"
+
+
+# ---------------------------------------------------------------- gate.py inputs (issue 35)
+@pytest.mark.parametrize("case", ["sample_not_json", "sample_other_json", "sample_missing", "ckpt_missing", "data"])
+def test_gate_bad_inputs_are_one_error_line(tmp_path, tiny_run_inputs, case, capsys):
+    import gate
+
+    target, data = tiny_run_inputs
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    kw = dict(out=str(tmp_path / "gate"), target=str(target), ckpt=str(ckpt))
+    if case == "sample_not_json":
+        kw["sample"], message = str(data), f"--sample {data}: not a sample.json of a gate run (JSONDecodeError"
+    elif case == "sample_other_json":
+        (tmp_path / "s.json").write_text('{"config": {}}')
+        kw["sample"], message = str(tmp_path / "s.json"), "(no target, prompt_ids, served_tokens, eos_ids)"
+    elif case == "sample_missing":
+        kw["sample"], message = str(tmp_path / "none.json"), "not found"
+    elif case == "ckpt_missing":
+        kw["ckpt"], message = str(tmp_path / "none"), f"--ckpt {tmp_path / 'none'}: no such directory"
+    else:
+        kw = dict(out=str(tmp_path / "gate"), target=str(target), data=str(_not_utf8(tmp_path / "a.jsonl")))
+        message = "a.jsonl:2: not UTF-8 text"
+    assert gate.main(gate.GateConfig(**kw)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and "GATE FAILED" not in err, err
+    report = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    assert report["failed_stage"] == "input" and not report["passed"]
