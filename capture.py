@@ -606,6 +606,20 @@ def check_regen(cfg: RegenConfig):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
 
 
+def check_prompts(cfg: "PromptsConfig"):
+    """capture.py prompts: the same up-front checks (--max-new-tokens -1 and --batch-size 0 were tracebacks)."""
+    for name, low in {"batch_size": 1, "max_new_tokens": 1, "num_prompts": 1, "max_batches": 0, "top_k": 0}.items():
+        if (v := getattr(cfg, name)) < low:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+    for name, ok, rng in (
+        ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("time_limit", lambda v: v >= 0, "at least 0 (0 = none)"),
+    ):
+        if not (math.isfinite(v := getattr(cfg, name)) and ok(v)):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
+
+
 def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -871,6 +885,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
 
     from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized, query_prefix
 
+    check_prompts(cfg)
     check_out(Path(cfg.out), is_dir=False)
     t_start = time.time()
     kind, dtype = pick_device(cfg.device, cfg.dtype)

@@ -13,6 +13,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def pick_device(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """(device kind, dtype) of --device auto|cpu|cuda and --dtype auto|<DTYPES>; other values are one error
+    line (--dtype other was a KeyError traceback; --device cuda without a GPU failed deep in the run)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise SystemExit(f"error: --device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device here")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SystemExit(f"error: --dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
     return kind, DTYPES["bf16" if kind == "cuda" else "fp32"] if dtype == "auto" else DTYPES[dtype]

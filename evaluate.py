@@ -250,16 +250,54 @@ def resume_key(a: EvalArgs, draft: torch.nn.Module, target_dir) -> dict:
     }
 
 
+def read_resume_file(path: Path) -> dict | None:
+    """A --resume-file this command wrote ({key, results}), None where there is none yet. Any other file
+    is refused before anything loads: it was replaced by this run's results (a chats file given here by
+    mistake was lost). The file is written whole (a temporary renamed), so a damaged one is not ours either."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        saved, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "no 'key' and 'results'"
+    if not isinstance(saved, dict) or "key" not in saved or not isinstance(saved.get("results"), dict):
+        raise SystemExit(
+            f"error: --resume-file {path} is not a results file evaluate.py wrote ({why}); it would be replaced: "
+            "give a new file name"
+        )
+    return saved
+
+
+def check_out(out: Path):
+    """--out is appended to after minutes of decoding: one it cannot be is refused now (it was a
+    PermissionError traceback at the end). Nothing is created: a probe file in the nearest existing directory."""
+    import os
+    import tempfile
+
+    if out.is_dir():
+        raise SystemExit(f"error: --out {out} is a directory; give a file name")
+    where = out.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        if out.exists():
+            open(out, "a").close()  # appending nothing: writable, its lines untouched
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
+
+
 def load_resumed(path: Path, key: dict) -> dict:
     """{dataset: results} saved under the same key, else {} (the file is then rewritten)."""
-    if not path.exists():
+    saved = read_resume_file(path)
+    if saved is None:
         return {}
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        print(f"[resume] {path} is not valid JSON: decoding every dataset again", flush=True)
-        return {}
-    if not isinstance(saved, dict) or saved.get("key") != key or not isinstance(saved.get("results"), dict):
+    if saved.get("key") != key:
         print(f"[resume] {path} holds another draft or other settings: decoding every dataset again", flush=True)
         return {}
     return saved["results"]
@@ -292,6 +330,10 @@ def main(a: EvalArgs) -> dict:
         prompt_sets = {name: load_prompts(name, a.num_prompts) for name in a.data}
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
+    if a.resume_file:
+        read_resume_file(Path(a.resume_file))
+    if a.out:
+        check_out(Path(a.out))
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]

@@ -449,6 +449,8 @@ class Trainer:
                 "--compile with the LK objectives is untested "
                 "(their batch-mean acceptance is all-reduced inside the step)"
             )
+        if cfg.device not in ("auto", "cpu", "cuda"):  # anything else ran on the CPU without a word
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})

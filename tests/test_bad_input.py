@@ -117,6 +117,7 @@ def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
         ({"attention": "nope"}, "error: --attention must be one of "),
         ({"backend": "nope"}, "error: --backend must be auto or one of "),
         ({"attention": "flex", "device": "cpu"}, "error: --attention flex has no backward on CPU"),
+        ({"device": "nope"}, "error: --device must be auto, cpu or cuda, got 'nope'"),  # ran on the CPU silently
     ],
 )
 def test_family_option_refusals_are_error_lines(tmp_path, tiny_run_inputs, kw, message):

@@ -461,3 +461,47 @@ def test_gate_bad_inputs_are_one_error_line(tmp_path, tiny_run_inputs, case, cap
     assert err.startswith("error: ") and message in err and "GATE FAILED" not in err, err
     report = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert report["failed_stage"] == "input" and not report["passed"]
+
+
+# ---------------------------------------------------------------- found by the wider probe (issue 35)
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"max_new_tokens": -1}, "error: --max-new-tokens must be at least 1, got -1"),
+        ({"batch_size": 0}, "error: --batch-size must be at least 1, got 0"),
+        ({"num_prompts": 0}, "error: --num-prompts must be at least 1, got 0"),  # wrote an empty file, "complete"
+        ({"top_p": 0.0}, "error: --top-p must be a finite number in (0, 1], got 0.0"),
+        ({"dtype": "nope"}, "error: --dtype must be auto or one of bf16, fp16, fp32, got 'nope'"),  # a KeyError
+        ({"device": "nope"}, "error: --device must be auto, cpu or cuda, got 'nope'"),
+    ],
+)
+def test_capture_prompts_refuses_bad_options_before_loading(tmp_path, kw, message):
+    import capture
+
+    with pytest.raises(SystemExit) as e:
+        capture.write_prompts(capture.PromptsConfig(target="/no/target", out=str(tmp_path / "p.jsonl"), **kw))
+    assert str(e.value.code) == message
+    assert not list(tmp_path.iterdir())
+
+
+def test_evaluate_out_checked_before_loading(tmp_path, monkeypatch):
+    """--out was opened only after every dataset was decoded: a PermissionError traceback that lost the run."""
+    import errno
+    import tempfile
+
+    import evaluate
+
+    def run(out):
+        with pytest.raises(SystemExit) as e:  # the draft does not exist: nothing was loaded before the refusal
+            evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), data=("mtbench",), out=str(out)))
+        return str(e.value.code)
+
+    assert run(tmp_path) == f"error: --out {tmp_path} is a directory; give a file name"
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    out = tmp_path / "sub" / "r.jsonl"
+    assert run(out) == f"error: --out {out}: cannot write there (Read-only file system)"
+    assert not (tmp_path / "sub").exists()

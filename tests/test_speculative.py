@@ -409,9 +409,14 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
 
     evaluate.main(evaluate.EvalArgs(data=tuple(data), **{**args, "max_new_tokens": 6}))  # other settings: decode both
     assert decoded == [1, 1, 1]
-    resume.write_text("{not json")  # a damaged file is not trusted
-    evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
-    assert decoded == [1, 1, 1, 1]
+    # a file it did not write (not JSON, or JSON without key and results: e.g. the chats file given by mistake)
+    # is refused, not replaced by the results (issue 35: it was lost); evaluate writes its file whole, so a
+    # damaged one is not one of its own either
+    for text in ("{not json", json.dumps({"messages": []}) + "\n"):
+        resume.write_text(text)
+        with pytest.raises(SystemExit, match=f"error: --resume-file {resume} is not a results file evaluate.py wrote"):
+            evaluate.main(evaluate.EvalArgs(data=(data[0],), **args))
+        assert resume.read_text() == text and decoded == [1, 1, 1]
 
 
 def test_split_halves_by_conversation():
