@@ -168,6 +168,8 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0
     """evaluate the held-out split every N steps (0 = at start and end only)"""
+    eval_at_start: bool = True
+    """evaluate the untrained draft before the first step (its figures are the baseline of the run's curve)"""
     eval_batch_size: int = 8
     attention: str = "auto"
     """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; FlexAttention, K/V
@@ -953,7 +955,7 @@ class Trainer:
         results = {}
         if not self.eval_set:  # accuracies over no examples would print as 0.000
             self.print("[eval] --holdout 0: no held-out examples, so no held-out evaluation")
-        if start == 0 and self.eval_set:
+        if start == 0 and self.eval_set and cfg.eval_at_start:
             results["eval_start"] = self.evaluate()
             self.print(f"[eval @0] {fmt(results['eval_start'])}")
             self.log.write({"step": 0, "split": "eval", **results["eval_start"]})

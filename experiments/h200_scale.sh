@@ -12,16 +12,29 @@
 # equal data and steps); both at once on the one GPU (one SmolLM2 draft run leaves it half idle).
 # τ: evaluate.py on the GPU, fp32, batched chains, all 80 MT-Bench questions (2 turns), 164 HumanEval,
 # 250 GSM8K, K = 3 and 7, with the τ of each half of each set as its spread.
+# probe: where the mix's first evaluation stalls: train.py under experiments/stall_probe.py (all threads'
+# stacks every 20 s, torch.compile's times at exit), the failing configuration on the mix, on the v3 file
+# alone, and eager (packed rows); PROBE_S seconds. Phases run in order in one call: `h200_scale.sh gen probe`.
 set -uo pipefail
-PHASE=${1:?usage: h200_scale.sh gen|train}
+(($#)) || { echo "usage: h200_scale.sh gen|probe|train ..."; exit 2; }
+PHASES="$*"
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/scale
 LIMIT=${LIMIT:-560}
 mkdir -p $W/mix
 [[ -f $T ]] || { echo "no staged target at $T"; exit 1; }
-(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi_$PHASE.log 2>&1 &
+(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
 SMI=$!
-left() { echo $((LIMIT - SECONDS)); }
+DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never past LIMIT
+left() { echo $((DEADLINE - SECONDS)); }
+mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
+  mkdir -p $W/mix_data $W/v3_data
+  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
+  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/v3_data/v3_sharegpt.jsonl.gz
+  cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
+  for d in code math chat; do [[ -f $W/mix/a_$d.jsonl ]] && cp -n $W/mix/a_$d.jsonl $W/mix_data/si_$d.jsonl; done
+  ls -la $W/mix_data > $OUT/mix_files.txt
+}
 parts() { local f=$1; if (($(stat -c %s "$f") > 15000000)); then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi; }
 EVAL="--device cuda --dtype fp32 -k 3 7 --num-prompts 250 --batch 64 --max-new-tokens 128 --data mtbench humaneval gsm8k"
 CODE=("Write a Python function that" "Write a Python program to" "def" "from typing import List
@@ -35,13 +48,15 @@ MATH=("Solve this math word problem:" "A store sells" "John has" "Maria buys" "A
 CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog post about" "Explain the difference between"
   "Describe" "Give me five tips for" "Summarize the main ideas of" "Draft an email to" "What are the main causes of"
   "Write a short story about" "Compare and contrast" "Extract the" "Pretend to be" "Why is")
+for PHASE in $PHASES; do
 case $PHASE in
   gen)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
+    DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
+    [[ -n ${SKIP_BENCH:-} ]] || { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
     tail -2 $OUT/cuda_tests_generate.txt
     timeout 150 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
       --time-limit ${BENCH_S:-30} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
-    tail -2 $OUT/gen_bench.log | cut -c1-400
+    tail -2 $OUT/gen_bench.log | cut -c1-400; }
     jobs=()
     for d in code math chat; do  # prompts: a quarter of what is left (or the committed ones), answers the rest
       declare -n P=${d^^}
@@ -57,18 +72,33 @@ case $PHASE in
     done
     wait "${jobs[@]}"
     for d in code math chat; do
-      cp $W/p_$d.provenance.json $OUT/prompts_$d.provenance.json; cp $W/mix/a_$d.provenance.json $OUT/answers_$d.provenance.json
-      gzip -9c $W/p_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
-      tail -n 1 $OUT/prompts_$d.log | cut -c1-300; tail -n 1 $OUT/answers_$d.log | cut -c1-300
+      cp $W/mix/a_$d.provenance.json $OUT/answers_$d.provenance.json
+      if [[ -n ${NEW_PROMPTS:-} ]]; then  # new prompts come back; committed ones are in the repo
+        cp $W/p_$d.provenance.json $OUT/prompts_$d.provenance.json
+        gzip -9c $W/p_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
+        tail -n 1 $OUT/prompts_$d.log | cut -c1-300
+      fi
+      tail -n 1 $OUT/answers_$d.log | cut -c1-300
     done
-    head -c 2000000 $W/mix/a_code.jsonl > $OUT/sample_answers_code.jsonl; head -c 2000000 $W/mix/a_math.jsonl > $OUT/sample_answers_math.jsonl ;;
+    wc -l $W/mix/a_*.jsonl ;;
+  probe)
+    DEADLINE=$((SECONDS + ${PROBE_S:-200})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
+    mix_data
+    PA="--target $T --num-records 0 --holdout 64 --max-len 1024 --batch-size 32 --steps 3 --eval-every 2 --lr 3e-3"
+    jobs=()
+    for v in mix_compile:mix_data:--compile:--pad-to-max-len v3_compile:v3_data:--compile:--pad-to-max-len \
+      mix_eager:mix_data::; do
+      IFS=: read -r name dir c p <<< "$v"
+      (TORCH_LOGS=recompiles timeout -k 10 $(($(left) - 10)) python3 experiments/stall_probe.py \
+         --stacks $OUT/stacks_$name.txt --every 20 -- $PA --data $W/$dir $c $p --out $W/probe_$name --overwrite \
+         > $OUT/probe_$name.log 2>&1; echo "probe $name exit $?" >> $OUT/probe_$name.log) &
+      jobs+=($!)
+    done
+    wait "${jobs[@]}"
+    for f in $OUT/probe_*.log; do echo "== $f"; grep -a "eval @\|exit\|Recompil\|slow\|error" $f | cut -c1-200 | tail -8; done ;;
   train)
-    mkdir -p $W/mix_data
-    # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
-    cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
-    cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
-    for d in code math chat; do [[ -f $W/mix/a_$d.jsonl ]] && cp -n $W/mix/a_$d.jsonl $W/mix_data/si_$d.jsonl; done
-    ls -la $W/mix_data > $OUT/mix_files.txt
+    DEADLINE=$LIMIT
+    mix_data
     # the shipped draft's τ beside the new ones (no --ngram: the n-gram baseline decodes one prompt at a time)
     [[ -n ${RESUME:-} ]] || (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T $EVAL \
       --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
@@ -80,7 +110,7 @@ case $PHASE in
       # where it waits; TORCH_LOGS=recompiles says whether it recompiles
       (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 20 $(($(left) - 30)) python3 train.py --target $T \
          --data $W/mix_data --num-records 0 --holdout ${HOLDOUT:-256} \
-         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2400} --lr 3e-3 \
+         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2400} --lr 3e-3 ${TRAIN_ARGS:-} \
          --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size ${v#*:} --out $R $MODE \
          --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
        echo "train $name exit $?" >> $OUT/train_$name.log
@@ -96,7 +126,9 @@ case $PHASE in
     grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
+done
 kill $SMI 2>/dev/null
 ls -la $OUT
 # a call brings back only a few files: everything in one archive (split when large)
-(cd $OUT && tar czf /tmp/${PHASE}_out.tgz . && rm -rf ./* && mv /tmp/${PHASE}_out.tgz . && parts ${PHASE}_out.tgz)
+A=${PHASES// /_}_out.tgz
+(cd $OUT && tar czf /tmp/$A . && rm -rf ./* && mv /tmp/$A . && parts $A)

@@ -1,0 +1,43 @@
+"""Run train.py (same flags) with a watch on where it spends a stall: every --every seconds all
+threads' stacks go to --stacks (faulthandler), and at exit torch.compile's time per phase and
+the number of graphs compiled go to stderr. For the H200 stall of issue 31 (first held-out
+evaluation of the mix: nothing for ~400 s compiled, 31-35 s per batch eager).
+
+  python3 experiments/stall_probe.py --stacks /tmp/stacks.txt --every 20 -- --target ... (train.py flags)
+"""
+
+import atexit
+import faulthandler
+import runpy
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str]) -> None:
+    if "--" not in argv:
+        sys.exit("usage: stall_probe.py --stacks FILE [--every S] -- TRAIN_FLAGS...")
+    own, train_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    stacks = Path(own[own.index("--stacks") + 1])
+    every = float(own[own.index("--every") + 1]) if "--every" in own else 20.0
+    f = open(stacks, "w")  # kept open for faulthandler until exit
+    faulthandler.dump_traceback_later(every, repeat=True, file=f)
+    t0 = time.time()
+
+    def report():
+        import torch._dynamo.utils as du
+
+        print(f"[probe] {time.time() - t0:.0f} s; compile times:\n{du.compile_times()}", file=sys.stderr, flush=True)
+        counters = {k: dict(v) for k, v in du.counters.items() if v}
+        print(f"[probe] dynamo counters: {counters}", file=sys.stderr, flush=True)
+
+    atexit.register(report)
+    sys.path.insert(0, str(ROOT))
+    sys.argv = [str(ROOT / "train.py"), *train_args]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
