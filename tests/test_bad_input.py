@@ -383,6 +383,17 @@ def test_holdout_0_skips_held_out_evaluation(tmp_path, tiny_run_inputs):
     assert "eval_end" not in json.loads((out / "run.json").read_text())["results"]
 
 
+def test_no_eval_at_start(tmp_path, tiny_run_inputs):
+    """--no-eval-at-start: the held-out split is evaluated during and after training, not before the first step."""
+    target, data = tiny_run_inputs
+    out = tmp_path / "run"
+    p = run_train(out, target, data, 0, [*FAST, "--holdout", "4", "--steps", "2", "--no-eval-at-start"])
+    assert "[eval @0]" not in p.stdout and "[eval @2]" in p.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (2, "train"), (2, "eval")]
+    assert "eval_start" not in json.loads((out / "run.json").read_text())["results"]
+
+
 def test_aux_layers_out_of_range(tmp_path, tiny_run_inputs):
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "o", target, data, 0, [*FAST, "--steps", "1", "--aux-layers", "0", "1", "9"], check=False)
