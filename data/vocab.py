@@ -13,11 +13,9 @@ import torch
 
 def count_tokens(examples, vocab_size: int) -> torch.Tensor:
     """counts[v] = how often token v appears at a trained (loss-mask) position."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for e in examples:
-        ids = torch.tensor(e.input_ids)
-        counts += torch.bincount(ids[torch.tensor(e.loss_mask, dtype=torch.bool)], minlength=vocab_size)
-    return counts
+    # one bincount over all trained ids: a [vocab_size] bincount per example cost minutes on 41k examples
+    ids = [t for e in examples for t, m in zip(e.input_ids, e.loss_mask) if m]
+    return torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size].clone()
 
 
 def build_vocab_mapping(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@
 # gen: the target writes code, math and chat prompts (capture.py prompts --user-prefix, sampled at
 # temperature 1) and answers them greedily (capture.py regenerate: the decoding the draft serves under);
 # the mix is the shipped draft's v3 set + the earlier free-form self-instruct answers + these.
-# train: run a = the mix, 8,192-token draft vocabulary; run b = the mix, 32,768 (the vocabulary lever at
-# equal data and steps); both at once on the one GPU (one SmolLM2 draft run leaves it half idle).
+# train: the runs of RUNS at once on the one GPU (one SmolLM2 draft run leaves it half idle); each is exported
+# and evaluated once its run.json says finished (RESUME=1 calls continue them).
 # τ: evaluate.py on the GPU, fp32, batched chains, all 80 MT-Bench questions (2 turns), 164 HumanEval,
 # 250 GSM8K, K = 3 and 7, with the τ of each half of each set as its spread.
 # probe: where the mix's first evaluation stalls: train.py under experiments/stall_probe.py (all threads'
@@ -99,22 +99,26 @@ case $PHASE in
   train)
     DEADLINE=$LIMIT
     mix_data
-    # the shipped draft's τ beside the new ones (no --ngram: the n-gram baseline decodes one prompt at a time)
-    [[ -n ${RESUME:-} ]] || (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T $EVAL \
-      --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
+    # the shipped draft's τ beside the new ones (SHIPPED=1; all three sets are in the README since 2026-12-03;
+    # no --ngram: the n-gram baseline decodes one prompt at a time)
+    [[ -n ${SHIPPED:-} && -z ${RESUME:-} ]] && (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T \
+      $EVAL --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
+    # RUNS: name:data dir:draft vocabulary:steps; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
+    # (b reached step 1,600); next: the mix at the shipped draft's 5,600 steps and the v3 file at 2,800 (is it
+    # the data or the steps?). Both share the GPU (~6 steps/s each; 10.8 alone)
     jobs=()
-    for v in a:8192 b:32768; do
-      name=${v%%:*}; R=$W/run_$name
+    for v in ${RUNS:-a:mix_data:8192:5600 c:v3_data:8192:2800}; do
+      IFS=: read -r name dir vocab steps <<< "$v"; R=$W/run_$name
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
-      # 2026-12-02 this stalled in its first evaluation (experiments/README.md): train.py's [slow] lines now say
-      # where it waits; TORCH_LOGS=recompiles says whether it recompiles
+      # 2026-12-02 the mix stalled in its first evaluation (batch 8, before the first step); 2026-12-03 with the
+      # evaluation at the training batch and none before the first step it did not (evaluations ~1 s)
       (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 20 $(($(left) - 30)) python3 train.py --target $T \
-         --data $W/mix_data --num-records 0 --holdout ${HOLDOUT:-256} \
-         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2400} --lr 3e-3 ${TRAIN_ARGS:-} \
-         --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size ${v#*:} --out $R $MODE \
+         --data $W/$dir --num-records 0 --holdout ${HOLDOUT:-256} --no-eval-at-start --eval-batch-size 32 \
+         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} \
+         --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size $vocab --out $R $MODE \
          --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
        echo "train $name exit $?" >> $OUT/train_$name.log
-       [[ -n ${RESUME:-} ]] && python3 export.py $R > $OUT/export_$name.log 2>&1 &&
+       grep -q '"status": "finished"' $R/run.json && python3 export.py $R > $OUT/export_$name.log 2>&1 &&
          timeout $(($(left) - 10)) python3 evaluate.py $R/export-vllm --target $T $EVAL --out $OUT/eval_$name.jsonl \
            > $OUT/eval_$name.log 2>&1
        cp $R/run.json $OUT/run_$name.json; cp $R/metrics.jsonl $OUT/metrics_$name.jsonl
@@ -122,7 +126,7 @@ case $PHASE in
       jobs+=($!)
     done
     wait "${jobs[@]}"
-    sleep 1; grep -h "eval @\|error" $OUT/train_a.log $OUT/train_b.log | tail -6
+    sleep 1; grep -ah "eval @\|error\|exit" $OUT/train_*.log | tail -8
     grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
