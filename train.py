@@ -129,10 +129,12 @@ class TrainConfig:
     """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
     batch_size: int = 4
     """global batch in sequences (split over ranks)"""
-    batch_tokens: int = 0
+    batch_tokens: int = -1
     """a token budget instead of --batch-size: every step is batch_tokens // max_len packed rows of --max-len,
     filled first-fit with whole conversations of the shuffled data (data/packing.TokenBatches): one row count
-    (one compiled shape, no rows of padding) and rows nearly full; needs packing; 0 = --batch-size"""
+    (one compiled shape, no rows of padding) and rows nearly full; needs packing; 0 = --batch-size conversations;
+    -1 (auto) = --batch-size x --max-len on a GPU where rows are packed (the same step shape every step: nothing
+    recompiles after warm-up; packed conversations vary the row count), else --batch-size conversations"""
     steps: int = 80
     """optimizer steps (0 = one epoch)"""
     lr: float = 3e-3
@@ -289,9 +291,12 @@ def validate(cfg: TrainConfig, world: int | None = None):
             f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
             "data-parallel ranks"
         )
-    if cfg.batch_tokens < 0 or (cfg.batch_tokens and cfg.batch_tokens < cfg.max_len):
-        raise ConfigError(f"--batch-tokens {cfg.batch_tokens}: 0, or at least one row of --max-len {cfg.max_len}")
-    if cfg.batch_tokens and world % cfg.tp == 0 and (cfg.batch_tokens // cfg.max_len) % (world // cfg.tp):
+    if cfg.batch_tokens < -1 or 0 < cfg.batch_tokens < cfg.max_len:
+        raise ConfigError(
+            f"--batch-tokens {cfg.batch_tokens}: -1 (auto), 0 (--batch-size conversations), or at least one row of "
+            f"--max-len {cfg.max_len}"
+        )
+    if cfg.batch_tokens > 0 and world % cfg.tp == 0 and (cfg.batch_tokens // cfg.max_len) % (world // cfg.tp):
         raise ConfigError(
             f"--batch-tokens {cfg.batch_tokens} gives {cfg.batch_tokens // cfg.max_len} rows of --max-len {cfg.max_len}"
             f" a step: they must split evenly over the {world // cfg.tp} data-parallel ranks"
@@ -311,6 +316,16 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if getattr(cfg, name) != getattr(default, name):
             users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
             raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
+
+
+def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool) -> int:
+    """--batch-tokens as the run uses it: -1 (auto) is --batch-size rows of --max-len on a GPU with packed rows
+    (one step shape: the compiled target and flex compile once; packed conversations vary the row count and
+    recompile), else 0 (--batch-size conversations). Disaggregated runs keep -1, which means conversations
+    there: the producers lay out the plan before any packing is decided, and their fingerprint carries it."""
+    if cfg.batch_tokens != -1 or cfg.deploy.role or cfg.deploy.producers:
+        return cfg.batch_tokens
+    return cfg.batch_size * cfg.max_len if kind == "cuda" and pack else 0
 
 
 def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
@@ -529,6 +544,7 @@ class Trainer:
                 )
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = self._packing(kind)
+        self.cfg = cfg = self._batching(kind)
         self.row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
         self._load_data()
         self._build_draft()
@@ -543,6 +559,19 @@ class Trainer:
         if self.cfg.pack == "auto" and why:
             self.print(f"[data] one conversation per row: {why}")
         return self.cfg.pack != "off" and why is None
+
+    def _batching(self, kind: str) -> "TrainConfig":
+        """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget."""
+        cfg = self.cfg
+        budget = auto_batch_tokens(cfg, kind, self.pack)
+        if budget == cfg.batch_tokens:
+            return cfg
+        if budget:
+            self.print(
+                f"[data] batching: --batch-tokens {budget} ({cfg.batch_size} packed rows of --max-len {cfg.max_len}) a "
+                f"step, the one shape a GPU compiles once; --batch-tokens 0 batches {cfg.batch_size} conversations"
+            )
+        return dataclasses.replace(cfg, batch_tokens=budget)
 
     def barrier(self):
         barrier()
@@ -568,7 +597,7 @@ class Trainer:
 
     def _load_data(self):
         cfg, stats = self.cfg, Counter()
-        if cfg.batch_tokens and not self.pack:  # before minutes of tokenizing
+        if cfg.batch_tokens > 0 and not self.pack:  # before minutes of tokenizing
             raise ConfigError(
                 "--batch-tokens fills packed rows, and this run is not packed "
                 "(--pack off, or the [data] line above says why)"
@@ -601,7 +630,7 @@ class Trainer:
             self.print(
                 f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
             )
-        if cfg.batch_tokens:
+        if cfg.batch_tokens > 0:
             self.print(
                 f"[data] --batch-tokens {cfg.batch_tokens}: {self.batches.rows} rows of {self.row_len} tokens a step, "
                 f"{self.batches.per_epoch} steps an epoch"

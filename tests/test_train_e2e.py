@@ -206,3 +206,21 @@ def test_batch_tokens_needs_packing(tmp_path, tiny_run_inputs):
     assert p.returncode != 0 and "--batch-tokens fills packed rows" in text and "Traceback" not in text, text[-2000:]
     assert not any(line.startswith("[data]") for line in text.splitlines())  # refused before tokenizing
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_auto_batch_tokens():
+    """--batch-tokens -1 (the default): a token budget of --batch-size rows of --max-len only on a GPU with packed
+    rows; conversations on CPU, unpacked, explicit values kept, disaggregated runs keep -1 (conversations there)."""
+    import dataclasses
+
+    from train import DeployConfig, TrainConfig, auto_batch_tokens
+
+    cfg = TrainConfig(batch_size=8, max_len=512)
+    assert cfg.batch_tokens == -1
+    assert auto_batch_tokens(cfg, "cuda", True) == 8 * 512
+    assert auto_batch_tokens(cfg, "cuda", False) == 0
+    assert auto_batch_tokens(cfg, "cpu", True) == 0
+    for explicit in (0, 4096):
+        assert auto_batch_tokens(dataclasses.replace(cfg, batch_tokens=explicit), "cuda", True) == explicit
+    consumer = dataclasses.replace(cfg, deploy=DeployConfig(role="consumer"))
+    assert auto_batch_tokens(consumer, "cuda", True) == -1
