@@ -205,7 +205,7 @@ def main(a: Args):
     target = a.target
     if a.smoke:
         from models.target import load_tokenizer, resolve_target
-        from tests.tiny import tiny_llama
+        from models.tiny import tiny_llama
 
         tok, target = load_tokenizer(resolve_target("smollm2")), str(a.work / "tiny")
         tiny_llama(vocab=len(tok), hidden=64, layers=4, heads=4, kv_heads=2).save_pretrained(target)

@@ -2,10 +2,11 @@
 
 Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and
 `from ... import` anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an
-edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Two rules:
+edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Three rules:
 - no cycles;
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
-  export.py, evaluate.py, gate.py, experiments/, tools/).
+  export.py, evaluate.py, gate.py, experiments/, tools/);
+- nothing outside tests/ imports tests/ (what scripts share with the tests lives in the library, e.g. models/tiny.py).
 """
 
 import ast
@@ -103,7 +104,7 @@ def library_to_entry(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((m, n) for m, deps in graph.items() if is_library(m) for n in deps if not is_library(n))
 
 
-def project_graph() -> dict[str, set[str]]:
+def project_graph(with_tests: bool = False) -> dict[str, set[str]]:
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
         cwd=ROOT,
@@ -111,8 +112,14 @@ def project_graph() -> dict[str, set[str]]:
         text=True,
         check=True,
     ).stdout
-    files = [Path(p) for p in out.split() if not p.startswith("tests/")]
+    files = [Path(p) for p in out.split() if with_tests or not p.startswith("tests/")]
     return import_graph(ROOT, files)
+
+
+def imports_of_tests(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module outside tests/, the tests/ module it imports)."""
+    is_test = lambda m: m == "tests" or m.startswith("tests.")  # noqa: E731
+    return sorted((m, n) for m, deps in graph.items() if not is_test(m) for n in deps if is_test(n))
 
 
 def test_project_imports_run_one_way():
@@ -121,6 +128,15 @@ def test_project_imports_run_one_way():
     assert "distributed" in graph["capture"] and "distributed" in graph["train"]  # the parser sees real edges
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
     assert library_to_entry(graph) == [], "library modules import entry scripts"
+
+
+def test_nothing_outside_tests_imports_tests():
+    graph = project_graph(with_tests=True)
+    assert "models.tiny" in graph["tests.tiny"]  # the parser sees tests/ too
+    assert imports_of_tests(graph) == [], "scripts or library import tests/"
+    assert imports_of_tests({"tools.golden": {"tests.tiny"}, "tests.conftest": {"tests.tiny"}}) == [
+        ("tools.golden", "tests.tiny")
+    ]
 
 
 def test_checker_finds_cycles_and_upward_imports(tmp_path):

@@ -3,32 +3,7 @@
 import torch
 
 from data.chat import Example
-
-# train.py flags for a run on the tiny target (conftest.py tiny_run_inputs) that takes seconds. A random
-# target's argmax is spread over all 49k tokens: a small draft vocab would leave whole batches with no
-# trained position (loss 0), and comparisons of such runs would be vacuous.
-TINY_TRAIN = (
-    "--num-records 60 --holdout 4 --max-len 64 --batch-size 4 --draft-vocab-size 8192 --ttt-length 3 "
-    "--lr 1e-3 --warmup 2 --no-progress"
-).split()
-
-
-def tiny_llama(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, seed=0, **kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        **kw,
-    )
-    return LlamaForCausalLM(cfg).eval()
+from models.tiny import TINY_TRAIN, tiny_llama  # noqa: F401 (the tests import both from here too)
 
 
 def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):

@@ -21,7 +21,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.tiny import TINY_TRAIN  # noqa: E402
+from models.tiny import TINY_TRAIN  # noqa: E402
 
 TINY = [*TINY_TRAIN, "--steps", "4", "--eval-every", "4"]  # the tests' tiny run, 4 steps, one evaluation
 RUNS = {  # name -> extra train.py flags (on the tiny target unless the name starts with smollm2)
@@ -67,7 +67,7 @@ def tiny_inputs(work: Path) -> tuple[Path, Path]:
 
         from data.datasets import load_records
         from models.target import load_tokenizer, resolve_target
-        from tests.tiny import tiny_llama
+        from models.tiny import tiny_llama
 
         torch.manual_seed(0)
         tok = load_tokenizer(resolve_target("smollm2"))
