@@ -4,20 +4,29 @@ in moe_expert_size, FLOPs in mlp_flops_per_token. State-dict keys under the MLP:
 router.weight [E, H], experts.<e>.{gate,up,down}_proj.weight, shared_expert.* (moe_shared).
 """
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from models.layers import MLP
 
-if TYPE_CHECKING:
-    from models.eagle3 import Eagle3Config
-
 MOE_MODES = ("flops", "params")
 
 
-def moe_expert_size(c: "Eagle3Config") -> int:
+class MoESizes(Protocol):
+    """The config fields the MoE MLP reads (Eagle3Config has them; named here so that this module does not
+    import the family that uses it)."""
+
+    hidden_size: int
+    intermediate_size: int
+    moe_experts: int
+    moe_top_k: int
+    moe_shared: bool
+    moe_mode: str
+
+
+def moe_expert_size(c: MoESizes) -> int:
     """Intermediate size of one expert (the shared one included), from the dense size I:
       flops   I // (top_k + shared): the experts a token runs (top_k routed + the shared one)
               add up to I, so a token costs the dense MLP's FLOPs (+ the router); parameters
@@ -33,7 +42,7 @@ def moe_expert_size(c: "Eagle3Config") -> int:
     return c.intermediate_size // n
 
 
-def mlp_flops_per_token(c: "Eagle3Config") -> int:
+def mlp_flops_per_token(c: MoESizes) -> int:
     """Forward multiply-adds x2 of the draft MLP for one token (router included)."""
     if not c.moe_experts:
         return 2 * 3 * c.hidden_size * c.intermediate_size
@@ -55,7 +64,7 @@ class MoEMLP(nn.Module):
     shapes, so no host syncs and nothing for torch.compile to break on. Training cost therefore
     grows with E whatever the mode; the FLOPs of the *model* are mlp_flops_per_token."""
 
-    def __init__(self, c: "Eagle3Config"):
+    def __init__(self, c: MoESizes):
         super().__init__()
         size = moe_expert_size(c)
         self.top_k = c.moe_top_k

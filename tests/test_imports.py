@@ -1,7 +1,8 @@
 """The project's import graph runs one way (issue #19).
 
 Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and
-`from ... import` anywhere in the file, at top level or inside a function (not under `if TYPE_CHECKING:`), is an
+`from ... import` anywhere in the file, at top level, inside a function or under `if TYPE_CHECKING:` (an annotation
+is a dependency too: a type-only cycle still ties two modules together), is an
 edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Three rules:
 - no cycles;
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
@@ -42,17 +43,7 @@ def import_graph(root: Path, files: list[Path]) -> dict[str, set[str]]:
     for mod, f in mods.items():
         package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
         tree = ast.parse((root / f).read_text(), str(f))
-        # `if TYPE_CHECKING:` imports never run (annotations only): not edges
-        typing_only = {
-            id(n)
-            for b in ast.walk(tree)
-            if isinstance(b, ast.If) and ast.unparse(b.test).endswith("TYPE_CHECKING")
-            for stmt in b.body
-            for n in ast.walk(stmt)
-        }
         for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -140,8 +131,9 @@ def test_nothing_outside_tests_imports_tests():
 
 
 def test_checker_finds_cycles_and_upward_imports(tmp_path):
-    """The checks can fail: a cycle closed by a function-local import, and a library module
-    (disagg/) importing an entry script (train.py)."""
+    """The checks can fail: a cycle closed by a function-local import, one closed by a type-only import
+    (`if TYPE_CHECKING:`, as models/moe.py once had with models/eagle3.py), and a library module (disagg/)
+    importing an entry script (train.py)."""
     (tmp_path / "disagg").mkdir()
     (tmp_path / "disagg" / "__init__.py").write_text("")
     (tmp_path / "disagg" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
@@ -150,15 +142,18 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
     (tmp_path / "capture.py").write_text(
         "from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n"
     )
-    files = [Path(p) for p in ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")]
-    graph = import_graph(tmp_path, files)
+    (tmp_path / "moe.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle3 import C\n")
+    (tmp_path / "eagle3.py").write_text("from moe import MoEMLP\n")
+    names = ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")
+    graph = import_graph(tmp_path, [Path(p) for p in names])
     assert graph == {
         "disagg": set(),
         "disagg.roles": {"train"},
         "disagg.control": {"disagg.roles"},
         "train": {"disagg.roles"},
-        "capture": {"disagg.control"},
+        "capture": {"disagg.control", "train"},
     }
+    assert find_cycle(import_graph(tmp_path, [Path("moe.py"), Path("eagle3.py")])) == ["eagle3", "moe", "eagle3"]
     assert find_cycle(graph) == ["disagg.roles", "train", "disagg.roles"]
     assert library_to_entry(graph) == [("disagg.roles", "train")]
     graph["disagg.roles"].clear()  # the fix: roles gets the Trainer as an argument
