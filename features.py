@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from data.datasets import collate
-from models.target import Features, Target, TargetHeads, fingerprint
+from data.feature_store import FeatureStore, StoredExample, StoreError, open_feature_store
+from models.target import Features, Target, TargetHeads, fingerprint, load_heads
 
 BACKENDS = ("hf", "compiled", "vllm")  # train.py / capture.py / producers --backend: who runs the target forward
 # (train.py's default "auto" is resolved by pick_backend)
@@ -189,3 +190,45 @@ def read_hidden(files: list[Path], prompts: list[list[int]]) -> list[torch.Tenso
         os.remove(f)
         lock.unlink(missing_ok=True)
     return out
+
+
+# ---- train.py --features: the store read back as the trainer's Features (data/ holds the store itself,
+# which knows no target; these two tie it to one)
+def open_for_training(root, target_dir, aux_layers, dtype, device):
+    """(store, examples, TargetHeads) for train.py --features: checks that the store was captured
+    from this target (weights fingerprint) with these aux layers, and loads only the target's
+    embeddings and lm_head."""
+    store, examples = open_feature_store(root)
+    want = store.schema["target"]["fingerprint"]
+    if fingerprint(target_dir) != want:
+        raise StoreError(
+            f"{store.root} was captured from another target (fingerprint {want}); "
+            f"--target {target_dir} has {fingerprint(target_dir)}"
+        )
+    if aux_layers and list(aux_layers) != store.schema["aux_layers"]:
+        raise StoreError(f"{store.root} holds aux layers {store.schema['aux_layers']}, not {list(aux_layers)}")
+    return store, examples, load_heads(target_dir, store.schema["aux_layers"], dtype, device)
+
+
+def batch_features(
+    store: FeatureStore,
+    examples: list[StoredExample],
+    T: int,
+    device,
+    dtype,
+    where: torch.Tensor | None = None,
+    n_rows: int | None = None,
+):
+    """Right-padded (zeros) Features [B, T, ...] of the examples, as the target would give them
+    for a collate()d batch (pad positions are never trained or attended to by valid ones).
+    where [N, 2] (packed rows, data/packing.py): example i's features go to row where[i, 0] from
+    column where[i, 1]; each was captured alone, so nothing in them crosses a document."""
+    rows = [store.read(e.ref, ["aux_hidden", "final_hidden"]) for e in examples]
+    place = [(i, 0) for i in range(len(rows))] if where is None else [tuple(w) for w in where.tolist()]
+    R = n_rows or 1 + max(r for r, _ in place)  # n_rows: the batch's rows, padding rows included
+    aux = torch.zeros(R, T, rows[0]["aux_hidden"].shape[-1], dtype=dtype)
+    fin = torch.zeros(R, T, rows[0]["final_hidden"].shape[-1], dtype=dtype)
+    for r, (b, s) in zip(rows, place):
+        n = r["aux_hidden"].shape[0]
+        aux[b, s : s + n], fin[b, s : s + n] = r["aux_hidden"], r["final_hidden"]
+    return Features(aux_hidden=aux.to(device, non_blocking=True), final_hidden=fin.to(device, non_blocking=True))

@@ -43,14 +43,13 @@ from data.datasets import (
     split_holdout,
     tokenize_workers,
 )
-from data.feature_store import batch_features, open_for_training
 from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
-from features import BACKENDS, load_target, pick_backend
+from features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
 from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count

@@ -3,11 +3,12 @@
 Every .py outside tests/ that git tracks or would track is parsed (ast, no import runs): each `import` and
 `from ... import` anywhere in the file, at top level, inside a function or under `if TYPE_CHECKING:` (an annotation
 is a dependency too: a type-only cycle still ties two modules together), is an
-edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Three rules:
+edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Four rules:
 - no cycles;
 - a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
   export.py, evaluate.py, gate.py, experiments/, tools/);
-- nothing outside tests/ imports tests/ (what scripts share with the tests lives in the library, e.g. models/tiny.py).
+- nothing outside tests/ imports tests/ (what scripts share with the tests lives in the library, e.g. models/tiny.py);
+- the bottom layers import down only: data/ and kernels/ nothing else of the project, models/ only them.
 """
 
 import ast
@@ -119,6 +120,27 @@ def test_project_imports_run_one_way():
     assert "distributed" in graph["capture"] and "distributed" in graph["train"]  # the parser sees real edges
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
     assert library_to_entry(graph) == [], "library modules import entry scripts"
+
+
+# the bottom layers (DESIGN.md, "Layers and imports"): package -> the project packages it may import
+BOTTOM = {"data": {"data"}, "kernels": {"kernels"}, "models": {"models", "data", "kernels"}}
+
+
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module of a bottom package, the module above its layer that it imports)."""
+    top = lambda m: m.split(".")[0]  # noqa: E731
+    return sorted((m, n) for m, deps in graph.items() if top(m) in BOTTOM for n in deps if top(n) not in BOTTOM[top(m)])
+
+
+def test_bottom_layers_import_down_only():
+    """data/ and kernels/ import nothing else of the project; models/ only data/ and kernels/."""
+    graph = project_graph()
+    assert "data.feature_store" in graph and "models.eagle3" in graph
+    assert upward(graph) == [], "a bottom layer imports upward"
+    assert upward({"data.feature_store": {"models.target"}, "models.x": {"kernels.ce", "features"}}) == [
+        ("data.feature_store", "models.target"),
+        ("models.x", "features"),
+    ]
 
 
 def test_nothing_outside_tests_imports_tests():

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from capture import FeaturesConfig, features
-from data.feature_store import open_feature_store, open_for_training
+from data.feature_store import open_feature_store
 from data.packing import pack
-from features import VllmTarget, _runs, capture_examples, read_hidden
+from features import VllmTarget, _runs, capture_examples, open_for_training, read_hidden
 from models.target import Target, load_heads
 from tests.tiny import random_examples, tiny_llama
 
