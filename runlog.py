@@ -266,6 +266,39 @@ def clear_previous_run(out: Path) -> list[str]:
     return old
 
 
+DRAFT_ARCHITECTURES = ("Eagle", "Speculator", "DFlash", "DSpark")  # in a serving config's architectures
+
+
+def output_kind(path: str | Path) -> str | None:
+    """What a directory is when one of our commands (or a draft trainer) wrote it: 'a draft export ...', 'a
+    training run ...', 'a checkpoint ...', 'a feature store ...', 'a gate.py run ...'; None for anything else.
+    Each command refuses another's output where its own input or output goes, by name (a draft given as
+    --target was a RuntimeError traceback from transformers; a store written into a run's directory mixed them)."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if (p / "store.json").is_file():
+        return "a feature store (capture.py features --out)"
+    if (p / "gate.json").is_file() or (p / "sample.json").is_file():
+        return "a gate.py run directory (gate.py --out)"
+    if (p / "run.json").is_file() or ((p / "ckpt" / "latest").is_file() and (p / "metrics.jsonl").is_file()):
+        return "a training run (train.py --out)"
+    if (p / "draft.safetensors").is_file():
+        return "a training checkpoint (train.py's ckpt/step_N)"
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = None
+    cfg = cfg if isinstance(cfg, dict) else {}
+    if (p / ".nanospec-export").is_file() or "nanospec_export" in cfg:  # export.py's EXPORT_MARKER, its config key
+        return "a draft export (export.py --out)"
+    if "speculators_config" in cfg or any(
+        a in str(x) for x in cfg.get("architectures") or [] for a in DRAFT_ARCHITECTURES
+    ):
+        return f"a draft model (config.json: architectures {cfg.get('architectures')})"
+    return None
+
+
 def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None) -> Path:
     """A training checkpoint as train.py writes it and export.py --import-from mimics: ck/<name>.tmp
     holding draft.safetensors and config.json (meta: {strategy, draft, target, ...}), plus whatever

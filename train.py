@@ -61,6 +61,7 @@ from runlog import (
     Throughput,
     clear_previous_run,
     compiled_graphs,
+    output_kind,
     peak_flops,
     previous_run,
     run_metadata,
@@ -375,6 +376,36 @@ def checkpoints(out: Path) -> list[Path]:
     except OSError:
         named = None
     return ([named] if named in steps else []) + [d for d in steps if d != named]
+
+
+def check_inputs(cfg: TrainConfig):
+    """Another command's output where an input or --out goes, refused by name before anything loads (runlog.
+    output_kind): a draft export as --target was a RuntimeError traceback from transformers, a run written into an
+    export or a feature store mixed their files (export.py --out then replaces an export's directory whole)."""
+    model = "a Hugging Face causal-LM directory, a .gguf file or 'smollm2'"
+    if kind := output_kind(cfg.target):
+        raise ConfigError(
+            f"--target {cfg.target} is {kind}, not a target model: pass the model the draft is for ({model})"
+        )
+    if not cfg.features and (kind := output_kind(cfg.data)):
+        raise ConfigError(f"--data {cfg.data} is {kind}, not chats: pass a ShareGPT/messages-style file or directory")
+    if cfg.features and (kind := output_kind(cfg.features)) and not kind.startswith("a feature store"):
+        raise ConfigError(f"--features {cfg.features} is {kind}, not a feature store (capture.py features --out)")
+    if cfg.init_draft:
+        if not Path(cfg.init_draft).exists():
+            raise ConfigError(f"--init-draft {cfg.init_draft}: no such checkpoint or run directory")
+        kind = output_kind(cfg.init_draft) or ""
+        if kind.startswith(("a draft export", "a draft model")):
+            raise ConfigError(
+                f"--init-draft {cfg.init_draft} is {kind}; --init-draft takes a training checkpoint or run: make one "
+                f"from it with `python export.py --import-from auto {cfg.init_draft} --out RUN`, then --init-draft RUN"
+            )
+        if kind and not kind.startswith("a training"):
+            raise ConfigError(f"--init-draft {cfg.init_draft} is {kind}, not a training checkpoint or run")
+    if (kind := output_kind(cfg.out)) and not kind.startswith("a training run"):
+        raise ConfigError(
+            f"--out {cfg.out} is {kind}: a run written there would mix with its files; give another --out"
+        )
 
 
 def check_out(cfg: TrainConfig, rank: int = 0):
@@ -1171,6 +1202,7 @@ def main(cfg: TrainConfig):
     trainer = None
     try:
         validate(cfg)
+        check_inputs(cfg)
         check_out(cfg, int(os.environ.get("RANK", 0)))
         trainer = Trainer(cfg)
         res = trainer.train()
@@ -1219,6 +1251,7 @@ if __name__ == "__main__":
                 not cfg.deploy.role
             ):  # the launcher: the options and --out before starting the pools (a consumer restarted
                 validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
+                check_inputs(cfg)
                 check_out(cfg)
             disagg_main(cfg, Trainer, vllm_target)
         except (ConfigError, CheckpointError) as e:

@@ -1,0 +1,100 @@
+"""Each command pointed at another command's output (issue 35): a draft export, a training run, a checkpoint,
+a feature store or a gate run given where a target model, chats, a store or an --out goes is refused by name
+before anything loads, as one `error:` line, and nothing is written or changed."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runlog import output_kind
+from tests.test_bad_input import cfg_of, failed, main_fails, snapshot
+from tests.test_train_e2e import run_train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "drafts" / "smollm2-135m-eagle3"  # export.py's output, shipped
+
+
+def outputs(tmp_path: Path) -> dict[str, Path]:
+    """Directories as each command leaves them (only the files that tell them apart)."""
+    made = {
+        "export": {".nanospec-export": "", "config.json": json.dumps({"architectures": ["LlamaForCausalLMEagle3"]})},
+        "run": {"run.json": "{}", "metrics.jsonl": ""},
+        "checkpoint": {"draft.safetensors": "", "config.json": json.dumps({"strategy": "eagle3", "draft": {}})},
+        "store": {"store.json": "{}"},
+        "gate": {"gate.json": "{}"},
+    }
+    out = {}
+    for name, files in made.items():
+        d = tmp_path / name
+        d.mkdir()
+        for f, text in files.items():
+            (d / f).write_text(text)
+        out[name] = d
+    return out
+
+
+def test_output_kind_names_each_command(tmp_path):
+    kinds = {name: output_kind(d) for name, d in outputs(tmp_path).items()}
+    assert kinds == {
+        "export": "a draft export (export.py --out)",
+        "run": "a training run (train.py --out)",
+        "checkpoint": "a training checkpoint (train.py's ckpt/step_N)",
+        "store": "a feature store (capture.py features --out)",
+        "gate": "a gate.py run directory (gate.py --out)",
+    }
+    assert output_kind(SHIPPED) == "a draft export (export.py --out)"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert output_kind(tmp_path / "hf") is None and output_kind(tmp_path / "none") is None
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"]}))
+    assert output_kind(tmp_path / "spec") == "a draft model (config.json: architectures ['Eagle3Speculator'])"
+
+
+# ---------------------------------------------------------------- train.py
+def test_train_target_that_is_a_draft_export(tmp_path, tiny_run_inputs, monkeypatch):
+    """Was a RuntimeError traceback from transformers (ignore_mismatched_sizes) after --out was created."""
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)  # refused before the target or the data load
+    _, data = tiny_run_inputs
+    msg = main_fails(
+        cfg_of(SHIPPED, data, tmp_path / "out"),
+        f"error: --target {SHIPPED} is a draft export (export.py --out), not a target model: pass the model the "
+        "draft is for (a Hugging Face causal-LM directory, a .gguf file or 'smollm2')",
+    )
+    assert msg.count("\n") == 0 and not (tmp_path / "out").exists()
+    p = run_train(tmp_path / "out", SHIPPED, data, 0, ["--steps", "1"], check=False)  # the command line too
+    failed(p, f"error: --target {SHIPPED} is a draft export (export.py --out), not a target model")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "field,given,message",
+    [
+        ("target", "run", "--target {} is a training run (train.py --out), not a target model"),
+        ("data", "run", "--data {} is a training run (train.py --out), not chats"),
+        ("data", "export", "--data {} is a draft export (export.py --out), not chats"),
+        ("features", "export", "--features {} is a draft export (export.py --out), not a feature store"),
+        ("init_draft", "export", "--init-draft {} is a draft export (export.py --out); --init-draft takes a "),
+        ("init_draft", "store", "--init-draft {} is a feature store (capture.py features --out), not a training"),
+        ("init_draft", "none", "--init-draft {}: no such checkpoint or run directory"),
+        ("out", "export", "--out {} is a draft export (export.py --out): a run written there would mix with"),
+        ("out", "store", "--out {} is a feature store (capture.py features --out): a run written there"),
+        ("out", "checkpoint", "--out {} is a training checkpoint (train.py's ckpt/step_N): a run written"),
+    ],
+)
+def test_train_refuses_other_outputs(tmp_path, tiny_run_inputs, monkeypatch, field, given, message):
+    """The export, store and checkpoint as --out took a run among their files (export.py --out replaces an
+    export's directory whole); the others failed after the target loaded with a message about their insides."""
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    made = outputs(tmp_path)
+    path = made.get(given, tmp_path / given)
+    before = {name: snapshot(d) for name, d in made.items()}
+    target, data = tiny_run_inputs
+    kw = {"target": target, "data": data, "out": tmp_path / "new", field: str(path)}
+    main_fails(cfg_of(kw.pop("target"), kw.pop("data"), kw.pop("out"), **kw), "error: " + message.format(path))
+    assert {name: snapshot(d) for name, d in made.items()} == before and not (tmp_path / "new").exists()
