@@ -17,7 +17,9 @@ served by a real engine with near-perfect acceptance and the target's own greedy
             the family's speculative method and num_speculative_tokens K, greedy; read vllm:spec_decode_* counters and
             require τ_vllm - 1 >= --min-accept * K and served tokens == the greedy reference.
 Exit 0 with a report (<out>/gate.json), or 1 with `GATE FAILED at <stage>: <why>` (a bad option or input
-file, e.g. --data, --sample, --target: `error: <why>`, failed_stage "input" in gate.json).
+file, e.g. --data, --sample, --target, --ckpt, -k 0: `error: <why>`, failed_stage "input" in gate.json; an
+--out it cannot or must not write, e.g. a file, a read-only place, another command's output or a folder of other
+files: `error: <why>` alone, nothing written).
 With --ckpt (and --sample) stages 1-2 are skipped: the gate checks that checkpoint. --ckpt may also be
 a serving dir (e.g. the shipped drafts/smollm2-135m-eagle3): it is served as it is, after a check that
 it fits the target (hidden size, vocabulary, aux layers, tokenizer); without --sample, stage 1 picks
@@ -119,6 +121,90 @@ class GateConfig:
 
 def log(msg: str):
     print(f"[gate] {msg}", flush=True)
+
+
+GATE_FILES = "sample.json, train.jsonl, train/ (replaced by each run), train.log, export-vllm/, vllm.log and gate.json"
+
+
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot take a gate run (None: it can), before anything is written or loaded: a file or an
+    unwritable place was a traceback, and another command's output or a folder of other files would have had
+    its train/ replaced and its train.jsonl or sample.json overwritten (`--out runs` took runs/train)."""
+    import os
+    import tempfile
+
+    from runlog import output_kind
+
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a directory"
+    kind = output_kind(out)
+    if kind and not kind.startswith("a gate.py"):
+        return f"--out {out} is {kind}: gate.py writes {GATE_FILES} there; give another --out"
+    if out.is_dir() and not kind and (found := sorted(p.name for p in out.iterdir() if not p.name.startswith("."))):
+        shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+        return (
+            f"--out {out} holds files an earlier gate run did not write ({shown}): gate.py writes {GATE_FILES} "
+            "there; give a new or empty directory"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"--out {out}: cannot write there ({e.strerror or e})"
+    return None
+
+
+def check_options(cfg: GateConfig):
+    """Option values that cannot work, as InputError before anything loads (-k 0, --max-steps 0 and an unknown
+    --strategy were tracebacks after minutes; --export-dtype fp8 or --min-acc 2 trained a draft that could never
+    be served or pass)."""
+    import math
+
+    from models.families import FAMILIES
+
+    at_least = {"k": 1, "max_steps": 1, "chunk": 1, "scan_records": 1, "max_prompt_tokens": 1}
+    at_least |= {"response_tokens": 1, "min_trainable": 0, "max_len": 2, "draft_vocab_size": 1, "vllm_timeout": 1}
+    for name, low in at_least.items():
+        if (v := getattr(cfg, name)) < low:
+            raise InputError(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+    for name, ok, rng in (
+        ("lr", lambda v: v > 0, "in (0, inf)"),
+        ("max_loss", lambda v: v > 0, "in (0, inf)"),
+        ("min_acc", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("min_accept", lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of K)"),
+        ("max_tau_gap", lambda v: v >= 0, "in [0, inf)"),
+    ):
+        if not (math.isfinite(v := getattr(cfg, name)) and ok(v)):
+            raise InputError(f"--{name.replace('_', '-')} must be a finite number {rng}, got {v}")
+    if cfg.export_dtype not in ("bf16", "fp16", "fp32"):
+        raise InputError(f"--export-dtype must be bf16, fp16 or fp32, got {cfg.export_dtype!r}")
+    served = [n for n, f in FAMILIES.items() if f.serving and "vllm" in f.serving.engines]
+    if cfg.strategy not in served:
+        raise InputError(
+            f"--strategy {cfg.strategy!r}: the gate serves a draft on vLLM, which loads {', '.join(served)}"
+        )
+
+
+def check_ckpt(ckpt: Path):
+    """--ckpt: a training run or checkpoint, or a serving dir (a file or another command's output was an unclear
+    'needs --sample' or export failure after the target loaded)."""
+    from runlog import output_kind
+
+    what = "give a training run or checkpoint (train.py --out, or its ckpt/step_N) or a serving dir (export.py --out)"
+    if not ckpt.exists():
+        raise InputError(f"--ckpt {ckpt}: no such directory")
+    if not ckpt.is_dir():
+        raise InputError(f"--ckpt {ckpt} is a file: {what}")
+    kind = output_kind(ckpt)
+    if kind and not kind.startswith(("a training", "a draft")):
+        raise InputError(f"--ckpt {ckpt} is {kind}: {what}")
+    if not kind and not (ckpt / "latest").is_file():  # (a run's ckpt/ folder names its latest)
+        raise InputError(
+            f"--ckpt {ckpt}: not a training run, checkpoint or serving dir (no run.json, draft.safetensors or draft "
+            f"config.json in it): {what}"
+        )
 
 
 # ---------------------------------------------------------------- stage 1
@@ -405,22 +491,28 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
 
 def main(cfg: GateConfig) -> int:
     from data.chat import DataError  # TargetError too: a broken target dir or file
+    from runlog import output_kind
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if why := out_problem(out):  # nowhere to write gate.json either: the line alone
+        print(f"error: {why}", file=sys.stderr, flush=True)
+        return 1
     t0 = time.time()
     report = {"config": asdict(cfg), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
+        check_options(cfg)
+        if kind := output_kind(cfg.target):
+            raise InputError(f"--target {cfg.target} is {kind}, not a target model (a Hugging Face model dir, a .gguf)")
         if cfg.ckpt:
             ckpt = Path(cfg.ckpt)
-            if not ckpt.exists():
-                raise InputError(f"--ckpt {ckpt}: no such directory")
-            if cfg.sample:
-                sample = load_sample(Path(cfg.sample))
-            elif (ckpt / "model.safetensors").exists():
+            sample = load_sample(Path(cfg.sample)) if cfg.sample else None
+            check_ckpt(ckpt)
+            if sample is None and (ckpt / "model.safetensors").exists():
                 sample = select_sample(cfg, out)
-            else:
-                raise GateFailure("sample", "--ckpt needs --sample (a sample.json of the run that trained it)")
+            elif sample is None:
+                raise InputError(
+                    f"--ckpt {ckpt}: a training run or checkpoint needs --sample (the gate run's sample.json)"
+                )
         else:
             sample = select_sample(cfg, out)
             ckpt, report["overfit"] = overfit(cfg, out, sample)

@@ -98,3 +98,80 @@ def test_train_refuses_other_outputs(tmp_path, tiny_run_inputs, monkeypatch, fie
     kw = {"target": target, "data": data, "out": tmp_path / "new", field: str(path)}
     main_fails(cfg_of(kw.pop("target"), kw.pop("data"), kw.pop("out"), **kw), "error: " + message.format(path))
     assert {name: snapshot(d) for name, d in made.items()} == before and not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- gate.py
+def gate_fails(capsys, message: str, **kw) -> str:
+    import gate
+
+    assert gate.main(gate.GateConfig(**kw)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    return err
+
+
+def test_gate_out_it_cannot_or_must_not_write(tmp_path, capsys, monkeypatch):
+    """A file or a read-only --out was a FileExistsError / PermissionError traceback; a folder of other files
+    (`--out runs`) had its train/ replaced by the overfit run and its train.jsonl overwritten."""
+    import errno
+    import tempfile
+
+    made = outputs(tmp_path)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    gate_fails(capsys, f"error: --out {f} is a file, not a directory", out=str(f))
+    gate_fails(capsys, f"--out {made['run']} is a training run (train.py --out): gate.py writes", out=str(made["run"]))
+    runs = tmp_path / "runs"
+    (runs / "train").mkdir(parents=True)
+    (runs / "train" / "run.json").write_text("{}")
+    (runs / "train.jsonl").write_text("mine\n")
+    before = snapshot(runs)
+    gate_fails(
+        capsys, f"--out {runs} holds files an earlier gate run did not write (train, train.jsonl)", out=str(runs)
+    )
+    assert snapshot(runs) == before
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    gate_fails(
+        capsys, f"error: --out {tmp_path / 'g'}: cannot write there (Read-only file system)", out=str(tmp_path / "g")
+    )
+    assert not (tmp_path / "g" / "gate.json").exists()
+
+
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ("file", "--ckpt {} is a file: give a training run or checkpoint (train.py --out, or its ckpt/step_N) or a"),
+        ("store", "--ckpt {} is a feature store (capture.py features --out): give a training run"),
+        ("empty", "--ckpt {}: not a training run, checkpoint or serving dir"),
+        ("checkpoint", "--ckpt {}: a training run or checkpoint needs --sample (the gate run's sample.json)"),
+    ],
+)
+def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
+    """A file as --ckpt was an export failure or 'needs --sample' at the sample stage, a gate verdict."""
+    made = outputs(tmp_path)
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    ckpt = made.get(given, tmp_path / given)
+    gate_fails(capsys, message.format(ckpt), out=str(tmp_path / "g"), ckpt=str(ckpt), target="/no/target")
+    report = json.loads((tmp_path / "g" / "gate.json").read_text())
+    assert report["failed_stage"] == "input"
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"k": 0}, "error: --k must be at least 1, got 0"),  # ValueError traceback after the sample stage
+        ({"max_steps": 0}, "error: --max-steps must be at least 1, got 0"),  # AttributeError traceback
+        ({"strategy": "nope"}, "error: --strategy 'nope': the gate serves a draft on vLLM, which loads eagle3"),
+        ({"export_dtype": "fp8"}, "error: --export-dtype must be bf16, fp16 or fp32, got 'fp8'"),  # after training
+        ({"min_acc": 2.0}, "error: --min-acc must be a finite number in [0, 1], got 2.0"),  # could never pass
+        ({"target": str(SHIPPED)}, f"error: --target {SHIPPED} is a draft export (export.py --out), not a target"),
+    ],
+)
+def test_gate_refuses_bad_options_before_loading(tmp_path, capsys, kw, message):
+    gate_fails(capsys, message, **{"out": str(tmp_path / "g"), "target": "/no/target", **kw})
+    assert json.loads((tmp_path / "g" / "gate.json").read_text())["failed_stage"] == "input"
