@@ -22,12 +22,17 @@ regenerate  The target writes new assistant turns: every assistant turn is regen
             FILE.provenance.json (model, settings, source, counts, dates, versions).
 prompts     The target writes user prompts (Magpie-style self-instruct, data/selfinstruct.py): kept
             ones go to FILE.jsonl as conversations to answer with `regenerate --data FILE.jsonl`.
+
+Exit status (each subcommand): 0 finished (regenerate: also stopped by --max-output-mb, as asked); 75 stopped
+unfinished by --time-limit (sysexits.h's EX_TEMPFAIL, as train.py: rerun the same command to resume); 1 failed
+(one `error:` line); 130 interrupted by Ctrl-C (rerun to resume). The provenance or capture_runs.jsonl says the same.
 """
 
 import json
 import math
 import os
 import socket
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -41,13 +46,19 @@ from data.feature_store import FeatureStore, StoreError, feature_schema, plan_sh
 from distributed import all_sum, barrier, destroy, init_distributed, pick_device
 from features import BACKENDS, capture_examples, load_target, target_identity
 from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target
-from runlog import git_commit, hardware, run_metadata, versions
+from runlog import git_commit, hardware, output_kind, run_metadata, versions
 from tools.vllm_features import vllm_target
+
+EXIT_STOPPED = 75  # stopped unfinished by --time-limit: rerun to resume (train.py's code for the same)
+EXIT_INTERRUPTED = 130
 
 
 # ====================================================================== features
 @dataclass
 class FeaturesConfig:
+    """The target's features of --data into a FeatureStore for `train.py --features`. Exit 0 when the store is
+    complete, 75 when --time-limit stopped it first (rerun to resume), 1 on an error."""
+
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2'"""
     data: str = DEFAULT_DATA
@@ -67,7 +78,8 @@ class FeaturesConfig:
     batch_tokens: int = 32768
     """padded tokens per target forward"""
     time_limit: float = 0
-    """seconds; stop cleanly (after a shard) before exceeding it; rerun to resume (0 = none)"""
+    """seconds; stop cleanly (after a shard) before exceeding it; rerun to resume (0 = none); exit 75 when it
+    stops so, 0 when the store is complete"""
     backend: str = "hf"
     """target forward: hf (transformers; the reference) | compiled (models/fast_target.py) | vllm (a vLLM engine in
     its own venv, NANOSPEC_VLLM_VENV or .venv-vllm, created when missing; tools/vllm_features.py)"""
@@ -106,9 +118,57 @@ def check_out(out: Path, is_dir: bool):
         raise SystemExit(f"error: --out {out}: cannot write there: {why}") from None
 
 
-def features(cfg: FeaturesConfig) -> dict:
+def check_inputs(target: str, data: str | None = None):
+    """Another command's output given as --target or --data, one `error:` line before anything loads (a draft
+    export as --target was a tokenizer error after seconds, a run as --data an error about its metrics.jsonl)."""
+    if kind := output_kind(target):
+        raise SystemExit(
+            f"error: --target {target} is {kind}, not a target model (a Hugging Face model dir, a .gguf or 'smollm2')"
+        )
+    if data is not None and (kind := output_kind(data)):
+        raise SystemExit(f"error: --data {data} is {kind}, not chats (a ShareGPT/messages-style file or directory)")
+
+
+def check_store_out(out: Path):
+    """features --out: a new or empty directory, or a feature store to resume or add to; nothing else (a store
+    written into a training run, an export or a target model's directory mixed their files)."""
+    if not out.is_dir() or (out / "store.json").exists():
+        return
+    if kind := output_kind(out):
+        raise SystemExit(f"error: --out {out} is {kind}, not a feature store: give a new or empty directory")
+    # (what a store's first write leaves before its store.json: shards/ and hidden temporary files)
+    found = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "shards")
+    if found:
+        shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+        raise SystemExit(
+            f"error: --out {out} holds files that are not a feature store's ({shown}): give a new or empty directory"
+        )
+
+
+def check_features(cfg: FeaturesConfig):
+    """features: option values that cannot work, one `error:` line each, before anything loads or is written
+    (--num-records -1 said the data file was empty; --shard-mb 0 wrote a shard per sample; --batch-tokens 0 and
+    --max-len -5 ran; --aux-layers 1 1, which train.py refuses, was captured)."""
     if cfg.backend not in BACKENDS:
         raise SystemExit(f"error: --backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    for name, low, hint in (
+        ("num_records", 0, " (0 = all)"),
+        ("max_len", 2, ""),
+        ("shard_mb", 1, ""),
+        ("batch_tokens", max(cfg.max_len, 1), f" (one sample of --max-len {cfg.max_len})"),
+    ):
+        if (v := getattr(cfg, name)) < low:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
+    if not (math.isfinite(cfg.time_limit) and cfg.time_limit >= 0):
+        raise SystemExit(f"error: --time-limit must be a finite number at least 0 (0 = none), got {cfg.time_limit}")
+    if len(set(cfg.aux_layers)) != len(cfg.aux_layers) or any(i < 0 for i in cfg.aux_layers):
+        raise SystemExit(f"error: --aux-layers {' '.join(map(str, cfg.aux_layers))}: distinct layer indices, 0 or more")
+    check_inputs(cfg.target, cfg.data)
+    check_store_out(Path(cfg.out))
+
+
+def features(cfg: FeaturesConfig) -> dict:
+    check_features(cfg)
     check_out(Path(cfg.out), is_dir=True)
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     t_start = time.time()
@@ -207,6 +267,10 @@ def features(cfg: FeaturesConfig) -> dict:
 # ====================================================================== regenerate
 @dataclass
 class RegenConfig:
+    """The target writes new assistant turns for --data's conversations. Exit 0 when every conversation is done
+    (or --max-output-mb stopped it, as asked), 75 when --time-limit stopped it first (rerun to resume), 1 on an
+    error."""
+
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2'"""
     data: str = SHAREGPT
@@ -238,7 +302,8 @@ class RegenConfig:
     dtype: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
     time_limit: float = 0
-    """seconds since start; stop cleanly before exceeding it (an unfinished batch is discarded)"""
+    """seconds since start; stop cleanly before exceeding it (an unfinished batch is discarded; rerun to resume);
+    exit 75 when it stops so"""
     max_output_mb: float = 0
     """stop cleanly once the output JSONL is larger (0 = no limit)"""
     device: str = "auto"
@@ -596,6 +661,8 @@ def check_regen(cfg: RegenConfig):
     for name, low in at_least.items():
         if (v := getattr(cfg, name)) < low:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+    if cfg.engine not in ("auto", "slots", "hf"):  # (was refused only after the target had loaded)
+        raise SystemExit(f"error: --engine must be auto, slots or hf, got {cfg.engine!r}")
     for name, ok, rng in (
         ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
         ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -608,9 +675,12 @@ def check_regen(cfg: RegenConfig):
 
 def check_prompts(cfg: "PromptsConfig"):
     """capture.py prompts: the same up-front checks (--max-new-tokens -1 and --batch-size 0 were tracebacks)."""
-    for name, low in {"batch_size": 1, "max_new_tokens": 1, "num_prompts": 1, "max_batches": 0, "top_k": 0}.items():
+    at_least = {"batch_size": 1, "max_new_tokens": 1, "num_prompts": 1, "max_batches": 0, "top_k": 0, "min_words": 0}
+    for name, low in at_least.items():
         if (v := getattr(cfg, name)) < low:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+    if cfg.engine not in ("auto", "slots", "hf"):
+        raise SystemExit(f"error: --engine must be auto, slots or hf, got {cfg.engine!r}")
     for name, ok, rng in (
         ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
         ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -624,6 +694,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     from transformers import AutoModelForCausalLM
 
     check_regen(cfg)
+    check_inputs(cfg.target, cfg.data)
     check_out(Path(cfg.out), is_dir=False)
     t_start = time.time()
     deadline = t_start + cfg.time_limit if cfg.time_limit else None
@@ -829,7 +900,8 @@ class PromptsConfig:
     kept prompt {id, messages: [user, empty assistant]} (answer them with `capture.py regenerate
     --data FILE`), FILE.dropped.jsonl (every dropped prompt with its reason and text) and
     FILE.provenance.json. Written in batches of --batch-size, each seeded by (--seed, batch index),
-    so a rerun resumes after the last whole batch and writes what one uninterrupted run would."""
+    so a rerun resumes after the last whole batch and writes what one uninterrupted run would. Exit 0 when
+    --num-prompts are kept (or --max-batches ran), 75 when --time-limit stopped it first, 1 on an error."""
 
     target: str = DEFAULT_TARGET
     """HF causal-LM directory, a .gguf file, or 'smollm2'"""
@@ -858,9 +930,10 @@ class PromptsConfig:
     dtype: str = "auto"
     device: str = "auto"
     time_limit: float = 0
-    """seconds; stop cleanly before a batch would pass it (0 = none)"""
+    """seconds; stop cleanly before a batch would pass it (0 = none); exit 75 when it stops so"""
 
 
+ALL_DROPPED_STOP = 512  # prompts: this many sampled in a row, none kept, stops the run (an error, not a hang)
 _PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 _PROMPTS_SAME_ON_RESUME += ("system", "user_prefix", "min_words", "batch_size", "engine", "dtype")
 
@@ -886,6 +959,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
     from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized, query_prefix
 
     check_prompts(cfg)
+    check_inputs(cfg.target)
     check_out(Path(cfg.out), is_dir=False)
     t_start = time.time()
     kind, dtype = pick_device(cfg.device, cfg.dtype)
@@ -978,8 +1052,11 @@ def write_prompts(cfg: PromptsConfig) -> dict:
         os.replace(tmp, prov_path)
         return doc
 
-    status, last, t0, new_tok = "complete", 0.0, time.time(), 0
+    status, last, t0, new_tok, unkept = "complete", 0.0, time.time(), 0, []
     while len(kept) < cfg.num_prompts and not (cfg.max_batches and batch >= cfg.max_batches):
+        if len(unkept) >= ALL_DROPPED_STOP:  # e.g. --temperature 0 (the same prompts again), a --min-words no
+            status = "stopped_all_dropped"  # prompt reaches: this loop never ended
+            break
         if cfg.time_limit and time.time() + last > t_start + cfg.time_limit:
             status = "stopped_by_time_limit"
             break
@@ -1013,6 +1090,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
         _append(out, new_kept)
         kept += new_kept
         dropped += new_dropped
+        unkept = [] if new_kept else unkept + new_dropped
         new_tok += sum(len(ids) for ids, _ in res)
         batch += 1
         last = time.time() - tb
@@ -1026,6 +1104,13 @@ def write_prompts(cfg: PromptsConfig) -> dict:
     run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
     doc = write_provenance(status)
     print(f"[prompts] {status}: {json.dumps(doc['counts'])}; wrote {out}, {dropped_path.name}, {prov_path.name}")
+    if status == "stopped_all_dropped":
+        why = dict(Counter(d["reason"] for d in unkept).most_common())
+        raise SystemExit(
+            f"error: the last {len(unkept)} prompts sampled were all dropped ({why}), so --num-prompts "
+            f"{cfg.num_prompts} would never be reached ({len(kept)} kept in {out}): let more through (--temperature "
+            "above 0 for new prompts, a larger --max-new-tokens, a smaller --min-words) or cap --max-batches"
+        )
     return doc
 
 
@@ -1036,21 +1121,34 @@ def stop_ids_for(target_dir: Path, tokenizer) -> list[int]:
     return stop_ids(SimpleNamespace(path=str(target_dir)), tokenizer)
 
 
+def exit_status(res: dict) -> int:
+    """0: finished; EXIT_STOPPED: --time-limit stopped it unfinished (features: the store is incomplete; regenerate,
+    prompts: their provenance's last run), so a script tells it from a finished run (both exited 0)."""
+    if "complete" in res:  # features
+        return 0 if res["complete"] else EXIT_STOPPED
+    return EXIT_STOPPED if res["runs"][-1]["status"] == "stopped_by_time_limit" else 0
+
+
 def main():
     import tyro
 
     cfg = tyro.extras.subcommand_cli_from_dict(
-        {"features": FeaturesConfig, "regenerate": RegenConfig, "prompts": PromptsConfig}
+        {"features": FeaturesConfig, "regenerate": RegenConfig, "prompts": PromptsConfig}, description=__doc__
     )
     try:
         if isinstance(cfg, FeaturesConfig):
-            features(cfg)
+            res = features(cfg)
         elif isinstance(cfg, PromptsConfig):
-            write_prompts(cfg)
+            res = write_prompts(cfg)
         else:
-            regenerate(cfg)
+            res = regenerate(cfg)
     except (DataError, FileNotFoundError, StoreError) as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # what was written is whole: appended lines and shards are committed one by one
+        print("\ninterrupted (SIGINT): rerun the same command to resume", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    if code := exit_status(res):
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ a feature store or a gate run given where a target model, chats, a store or an -
 before anything loads, as one `error:` line, and nothing is written or changed."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,154 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
 def test_gate_refuses_bad_options_before_loading(tmp_path, capsys, kw, message):
     gate_fails(capsys, message, **{"out": str(tmp_path / "g"), "target": "/no/target", **kw})
     assert json.loads((tmp_path / "g" / "gate.json").read_text())["failed_stage"] == "input"
+
+
+# ---------------------------------------------------------------- capture.py
+def capture_fails(run, message: str):
+    with pytest.raises(SystemExit) as e:
+        run()
+    assert str(e.value.code) == message, str(e.value.code)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"num_records": -1}, "error: --num-records must be at least 0 (0 = all), got -1"),  # said 'the file is empty'
+        ({"shard_mb": 0}, "error: --shard-mb must be at least 1, got 0"),  # a shard per sample
+        ({"batch_tokens": 0}, "error: --batch-tokens must be at least 64 (one sample of --max-len 64), got 0"),
+        ({"max_len": -5}, "error: --max-len must be at least 2, got -5"),  # captured a store
+        ({"time_limit": -1.0}, "error: --time-limit must be a finite number at least 0 (0 = none), got -1.0"),
+        ({"aux_layers": (1, 1)}, "error: --aux-layers 1 1: distinct layer indices, 0 or more"),  # train.py refuses
+        ({"target": str(SHIPPED)}, f"error: --target {SHIPPED} is a draft export (export.py --out), not a target"),
+    ],
+)
+def test_capture_features_refuses_bad_options_before_anything(tmp_path, kw, message):
+    import capture
+
+    cfg = capture.FeaturesConfig(
+        **{"target": "/no/t", "data": "/no/d.jsonl", "out": str(tmp_path / "s"), "max_len": 64, **kw}
+    )
+    with pytest.raises(SystemExit) as e:
+        capture.features(cfg)
+    assert str(e.value.code).startswith(message), str(e.value.code)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("given", ["run", "export", "checkpoint", "gate", "folder"])
+def test_capture_features_out_of_another_kind(tmp_path, given):
+    """--out a training run (or an export, a model's folder, ...) took a feature store among its files."""
+    import capture
+
+    made = outputs(tmp_path)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))  # e.g. the target
+    (folder / "model.safetensors").write_text("")
+    out = made.get(given, folder)
+    before = snapshot(out)
+    message = (
+        f"error: --out {out} holds files that are not a feature store's (config.json, model.safetensors): give a "
+        "new or empty directory"
+        if given == "folder"
+        else f"error: --out {out} is {output_kind(out)}, not a feature store: give a new or empty directory"
+    )
+    capture_fails(lambda: capture.features(capture.FeaturesConfig(target="/no/t", data="/no/d", out=str(out))), message)
+    assert snapshot(out) == before
+    # what a store's first write leaves before its store.json (a crash there) is resumed, not refused
+    (tmp_path / "crashed" / "shards").mkdir(parents=True)
+    (tmp_path / "crashed" / ".store.json.host-rank0.tmp").write_text("{}")
+    capture.check_store_out(tmp_path / "crashed")
+    capture.check_store_out(made["store"])
+
+
+@pytest.mark.parametrize("command", ["features", "regenerate", "prompts"])
+def test_capture_target_or_data_of_another_command(tmp_path, command):
+    """A draft export as --target was a tokenizer error after seconds; a training run as --data an error about its
+    metrics.jsonl not being chats."""
+    import capture
+
+    run = outputs(tmp_path)["run"]
+    out = str(tmp_path / ("s" if command == "features" else "o.jsonl"))
+    make = {
+        "features": lambda **kw: capture.features(capture.FeaturesConfig(out=out, **kw)),
+        "regenerate": lambda **kw: capture.regenerate(capture.RegenConfig(out=out, **kw)),
+        "prompts": lambda **kw: capture.write_prompts(capture.PromptsConfig(out=out, **kw)),
+    }[command]
+    capture_fails(
+        lambda: make(target=str(SHIPPED)),
+        f"error: --target {SHIPPED} is a draft export (export.py --out), not a target model (a Hugging Face model "
+        "dir, a .gguf or 'smollm2')",
+    )
+    if command != "prompts":
+        capture_fails(
+            lambda: make(target="/no/t", data=str(run)),
+            f"error: --data {run} is a training run (train.py --out), not chats (a ShareGPT/messages-style file or "
+            "directory)",
+        )
+    assert not Path(out).exists()
+
+
+def test_capture_engine_refused_before_loading(tmp_path):
+    import capture
+
+    message = "error: --engine must be auto, slots or hf, got 'nope'"  # was refused after the target loaded
+    capture_fails(lambda: capture.regenerate(capture.RegenConfig(target="/no/t", engine="nope")), message)
+    capture_fails(lambda: capture.write_prompts(capture.PromptsConfig(target="/no/t", engine="nope")), message)
+    capture_fails(
+        lambda: capture.write_prompts(capture.PromptsConfig(target="/no/t", min_words=-1)),
+        "error: --min-words must be at least 0, got -1",
+    )
+
+
+def test_capture_time_limit_exits_75(tmp_path, tiny_run_inputs, monkeypatch, capsys):
+    """A run --time-limit stopped unfinished exited 0 like a finished one; now 75 (train.py's EX_TEMPFAIL), in
+    each subcommand; finished (or stopped by --max-output-mb, as asked) is 0."""
+    import sys
+
+    import capture
+
+    target, data = tiny_run_inputs
+
+    def exit_code(*args) -> int:
+        monkeypatch.setattr(sys, "argv", ["capture.py", *map(str, args)])
+        try:
+            capture.main()
+        except SystemExit as e:
+            return e.code
+        return 0
+
+    store = ["features", "--target", target, "--data", data, "--out", tmp_path / "s", "--num-records", 4]
+    store += ["--max-len", 64]
+    assert exit_code(*store, "--time-limit", 1e-3) == 75  # stops before the first shard
+    assert exit_code(*store) == 0 and json.loads((tmp_path / "s" / "store.json").read_text())
+    regen = ["regenerate", "--target", target, "--data", data, "--out", tmp_path / "r.jsonl", "--num-records", 2]
+    regen += ["--max-new-tokens", 2, "--engine", "hf"]
+    assert exit_code(*regen, "--time-limit", 1e-3) == 75
+    assert exit_code(*regen, "--max-output-mb", 1e-9) == 0  # nothing written yet: it runs (as asked)
+    prompts = ["prompts", "--target", target, "--out", tmp_path / "p.jsonl", "--batch-size", 2, "--engine", "hf"]
+    assert exit_code(*prompts, "--time-limit", 1e-3) == 75
+    prov = json.loads((tmp_path / "p.provenance.json").read_text())
+    assert prov["runs"][-1]["status"] == "stopped_by_time_limit"
+    for command in ("features", "regenerate", "prompts"):  # --help says so
+        exit_code(command, "--help")
+        text = " ".join(re.sub("[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+        assert "exit 75 when it stops so" in text, (command, text)
+
+
+def test_capture_prompts_that_are_all_dropped_stop(tmp_path, tiny_run_inputs, monkeypatch):
+    """--temperature 0 samples the same prompts again (dropped as repeats), a --max-new-tokens no prompt ends
+    within drops them all: the loop never ended. Now it stops with an error naming the reasons."""
+    import capture
+
+    target, _ = tiny_run_inputs
+    monkeypatch.setattr(capture, "ALL_DROPPED_STOP", 8)
+    cfg = capture.PromptsConfig(
+        target=str(target), out=str(tmp_path / "p.jsonl"), batch_size=4, max_new_tokens=2, engine="hf", temperature=0
+    )
+    with pytest.raises(SystemExit) as e:
+        capture.write_prompts(cfg)
+    msg = str(e.value.code)
+    assert msg.startswith("error: the last 8 prompts sampled were all dropped ({'no_end_of_turn': 8}), so ")
+    assert "--num-prompts 1000 would never be reached (0 kept in" in msg
+    prov = json.loads((tmp_path / "p.provenance.json").read_text())
+    assert prov["runs"][-1]["status"] == "stopped_all_dropped" and prov["counts"]["batches"] == 2
