@@ -40,7 +40,8 @@ from torch import nn
 
 from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
-from models.family import Family, Serving, block_attention, generator, pick_mask_token
+from models.block_serving import DFLASH, BlockServing
+from models.family import Family, block_attention, generator, pick_mask_token
 from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.proposer import Proposer, Tree, verified_depth
 
@@ -484,6 +485,6 @@ FAMILY = Family(
     counts=lambda batch, draft, cfg: block_counts(batch),
     step=_step,
     proposer=block_proposer,
-    serving=Serving("block", ("vllm",), "dflash", architecture="DFlashDraftModel"),
+    serving=BlockServing(("vllm",), "dflash", architecture=DFLASH, speculators=("dflash", "DFlashSpeculator")),
     packs=True,
 )

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
+from models.block_serving import DSPARK, BlockServing
 from models.dflash import (
     BLOCK_OPTIONS,
     BlockBatch,
@@ -43,7 +44,7 @@ from models.dflash import (
     block_family_batch,
     block_family_host,
 )
-from models.family import Family, Serving, block_attention, pick_mask_token
+from models.family import Family, block_attention, pick_mask_token
 from models.proposer import Tree
 
 GAMMA, CE_ALPHA, L1_ALPHA, CONF_ALPHA = 4.0, 0.1, 0.9, 1.0  # DeepSpec config/dspark/dspark_qwen3_8_27b.py
@@ -194,6 +195,6 @@ FAMILY = Family(
     proposer=lambda draft, model, depth, topk: DSparkProposer(
         draft, model.get_input_embeddings(), model.get_output_embeddings().weight, depth=depth
     ),
-    serving=Serving("block", ("vllm",), "dspark", architecture="Qwen3DSparkModel"),
+    serving=BlockServing(("vllm",), "dspark", architecture=DSPARK, speculators=("dspark", "DSparkSpeculator")),
     packs=True,
 )

@@ -50,7 +50,8 @@ from data.vocab import draft_to_target
 from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
-from models.family import Family, Serving, with_vocab
+from models.eagle_serving import EagleServing
+from models.family import Family, with_vocab
 from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.moe import MoEMLP
 from models.proposer import Proposer, Tree
@@ -586,7 +587,7 @@ FAMILY = Family(
     counts=lambda batch, draft, cfg: local_counts(batch, draft.t2d, cfg.ttt_length),
     step=_step,
     proposer=_proposer,
-    serving=Serving("eagle3", ("vllm", "sglang"), "eagle3"),
+    serving=EagleServing(("vllm", "sglang"), "eagle3", speculators=("eagle3", "Eagle3Speculator")),
     draft_vocab=True,
     packs=True,
     ttt_passes=True,

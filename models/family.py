@@ -24,7 +24,8 @@ family only through that list, so adding one is a new file here plus one line th
                 decode with (models/proposer.py)
     decode_depth  the proposer drafts any depth / top-k tree asked for (evaluate.py -k, --tree-topk);
                 otherwise the K it was trained for per step, of which it verifies the first depth <= K
-    serving     how export.py writes it for the engines (None: no engine in reach loads it)
+    serving     how export.py writes it for the engines and reads it back (a `Serving`; None: no engine
+                in reach loads it)
     draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
     packs       whether its host / make_batch / step keep the documents of packed rows apart
                 (data/packing.py: doc_ids, position_ids in the batch); train.py packs only those
@@ -37,7 +38,7 @@ anchor slot predicts the first token).
 """
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -46,20 +47,74 @@ from data.vocab import build_vocab_mapping
 
 @dataclass(frozen=True)
 class Serving:
-    """What export.py needs to know to write a family; the formats themselves live in export.py.
+    """How a family is written for the engines and read back. export.py calls only this (it names no
+    family); a layout module builds it for the families drafting that way, so the engines' key names
+    of a layout are written in one file: models/eagle_serving.py (EAGLE-3, P-EAGLE) and
+    models/block_serving.py (DFlash, DSpark). What every layout shares is in models/engines.py.
 
-    layout       "eagle3": the LlamaForCausalLMEagle3 dir both engines load; "block": the
-                 Qwen3-layer DFlash dir vLLM loads (`architecture` names the vLLM class)
-    engines      the engines whose format is written
-    vllm_method  speculative_config method, and the extra settings it needs (P-EAGLE:
-                 parallel_drafting, whose dir also carries mask_token_id and mask_hidden)
+    engines       the engines whose format is written ("speculators" comes with "vllm")
+    vllm_method   speculative_config method, and the extra settings it needs (P-EAGLE:
+                  parallel_drafting, whose dir also carries mask_token_id and mask_hidden)
+    architecture  the `architectures` entry of its vLLM / SGLang config.json
+    speculators   (speculators_model_type, the class speculators writes); empty: not in that format
+    missing       why the engines left out of `engines` are (said when one is asked for)
+    foreign       other trainers write this dir too (the EAGLE repo, SpecForge): `export.py
+                  --import-from safeailab|specforge` reads it
+    checks_tensors  the layout names every tensor (`check` refuses a misfit before any load);
+                  otherwise a strict load against the draft config is the check
+    ids_key       the config key of the aux-layer ids whose reading depends on the engine ("" if none)
+    speculators_names  (our tensor name prefix, speculators') where the two differ
     """
 
-    layout: str
     engines: tuple[str, ...]
     vllm_method: str
     vllm_extra: dict = field(default_factory=dict)
     architecture: str = ""
+    speculators: tuple[str, str] = ("", "")
+    missing: str = ""
+    foreign: bool = False
+    checks_tensors: ClassVar[bool] = False
+    ids_key: ClassVar[str] = ""
+    speculators_names: ClassVar[tuple[str, str]] = ("", "")
+
+    def owns(self, cfg: dict) -> bool:
+        """Whether a config.json in the engines' format holds a draft of this family."""
+        return cfg.get("architectures") == [self.architecture]
+
+    def unservable(self, c) -> str:
+        """Why a draft of this config cannot be written ("": it can), asked before anything else."""
+        return ""
+
+    def write(self, draft, engine: str, target_config: dict, dtype, embeddings) -> tuple[dict, dict, dict]:
+        """(config.json, tensors, provenance entries) of the engine's dir; `embeddings` is None, or a
+        function that reads the target's embed_tokens (--with-embeddings)."""
+        raise NotImplementedError
+
+    def read(self, cfg: dict, engine: str | None = None, where: str = "serving config", num_layers=None) -> dict:
+        """A config.json of the engines' format -> the draft config's fields. `engine` says how the aux
+        ids read (default: the provenance's); `num_layers`, given for another trainer's dir, returns the
+        target's layer count (or None), for the engines' default ids when the config names none."""
+        raise NotImplementedError
+
+    def named_ids(self, cfg: dict) -> list[int] | None:
+        """The engine-dependent aux ids a config.json names (under `ids_key`), None when it names none."""
+        return None
+
+    def check(self, sd: dict, c, where: str) -> None:
+        """The loud tensor checks of a layout with `checks_tensors`."""
+
+    def speculative_tokens(self, c) -> int:
+        """K written as speculators' speculative_tokens (vLLM's default num_speculative_tokens)."""
+        raise NotImplementedError
+
+    def to_speculators(self, c) -> dict:
+        """This family's fields of a speculators config.json (refusing what speculators' reader drops)."""
+        raise NotImplementedError
+
+    def from_speculators(self, spec: dict, layer_cfg: dict, k: int, num_layers: int | None, where: str) -> dict:
+        """A speculators config.json (its transformer_layer_config `layer_cfg`, its K) -> a config.json in
+        the engines' format, which `read` takes."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

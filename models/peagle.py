@@ -33,7 +33,8 @@ from torch import nn
 
 from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
-from models.family import Family, Serving, block_attention, generator, pick_mask_token, with_vocab
+from models.eagle_serving import EagleServing
+from models.family import Family, block_attention, generator, pick_mask_token, with_vocab
 from models.proposer import Tree, verified_depth
 
 DOWN_SAMPLE_RATIO, DOWN_SAMPLE_MIN = 0.7, 0.2
@@ -278,7 +279,13 @@ FAMILY = Family(
     step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
     proposer=lambda draft, model, depth, topk: PEagleProposer(draft, model.get_input_embeddings(), depth),
     # vLLM drafts P-EAGLE as EAGLE-3 with parallel_drafting (SGLang has no parallel drafting here)
-    serving=Serving("eagle3", ("vllm",), "eagle3", {"parallel_drafting": True}),
+    serving=EagleServing(
+        ("vllm",),
+        "eagle3",
+        {"parallel_drafting": True},
+        speculators=("peagle", "PEagleSpeculator"),
+        missing="SGLang has no EAGLE-3 parallel drafting here",
+    ),
     draft_vocab=True,
     packs=True,
 )

@@ -189,4 +189,4 @@ def test_export_vllm_format_and_load_back(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(draft.result, back.result))
     cfg["sample_from_anchor"] = False
     with pytest.raises(export.ExportError, match="anchor-sampling"):
-        export.block_config_from_serving(cfg)
+        export.config_from_serving(cfg)
