@@ -270,6 +270,14 @@ def read_resume_file(path: Path) -> dict | None:
     return saved
 
 
+def _is_result_line(line: bytes) -> bool:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(r, dict) and "draft" in r and isinstance(r.get("results"), dict)
+
+
 def check_out(out: Path):
     """--out is appended to after minutes of decoding: one it cannot be is refused now (it was a
     PermissionError traceback at the end). Nothing is created: a probe file in the nearest existing directory."""
@@ -278,6 +286,17 @@ def check_out(out: Path):
 
     if out.is_dir():
         raise SystemExit(f"error: --out {out} is a directory; give a file name")
+    if out.is_file():  # appended to: only a file of this command's result lines (a run's metrics.jsonl took one)
+        try:
+            with open(out, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip() and not _is_result_line(line):
+                        raise SystemExit(
+                            f"error: --out {out}:{n} is not a result line of evaluate.py, and --out is appended to: "
+                            "give a new file name, or one that earlier evaluate.py runs wrote"
+                        )
+        except OSError as e:
+            raise SystemExit(f"error: --out {out}: cannot read it ({e.strerror or e})") from None
     where = out.parent
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -315,6 +334,13 @@ def check_args(a: EvalArgs):
         raise SystemExit(f"error: -k takes draft tokens per step, at least 1 each, got {' '.join(map(str, bad))}")
     if a.dtype not in ("fp32", "bf16"):
         raise SystemExit(f"error: --dtype must be fp32 or bf16, got {a.dtype!r}")
+    kind, _, index = a.device.partition(":")  # --device tpu was a RuntimeError traceback after the models loaded
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise SystemExit(f"error: --device must be cpu, cuda or cuda:N, got {a.device!r}")
+    from runlog import output_kind
+
+    if a.target and (what := output_kind(a.target)):  # was a RuntimeError traceback from transformers
+        raise SystemExit(f"error: --target {a.target} is {what}, not a target model (the draft is the first argument)")
 
 
 def main(a: EvalArgs) -> dict:

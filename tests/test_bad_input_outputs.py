@@ -327,3 +327,47 @@ def test_capture_prompts_that_are_all_dropped_stop(tmp_path, tiny_run_inputs, mo
     assert "--num-prompts 1000 would never be reached (0 kept in" in msg
     prov = json.loads((tmp_path / "p.provenance.json").read_text())
     assert prov["runs"][-1]["status"] == "stopped_all_dropped" and prov["counts"]["batches"] == 2
+
+
+# ---------------------------------------------------------------- evaluate.py
+def evaluate_fails(tmp_path, message: str, **kw):
+    import evaluate
+
+    with pytest.raises(SystemExit) as e:  # the draft does not exist: refused before anything loads
+        evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), data=("mtbench",), **kw))
+    assert str(e.value.code) == message, str(e.value.code)
+
+
+def test_evaluate_target_that_is_a_draft_export(tmp_path):
+    """Was a RuntimeError traceback from transformers after the prompt sets and the draft had loaded."""
+    evaluate_fails(
+        tmp_path,
+        f"error: --target {SHIPPED} is a draft export (export.py --out), not a target model (the draft is the first "
+        "argument)",
+        target=str(SHIPPED),
+    )
+
+
+def test_evaluate_device_checked_before_loading(tmp_path):
+    """--device tpu was a RuntimeError traceback once both models had loaded."""
+    evaluate_fails(tmp_path, "error: --device must be cpu, cuda or cuda:N, got 'tpu'", device="tpu")
+    evaluate_fails(tmp_path, "error: --device must be cpu, cuda or cuda:N, got 'cuda:x'", device="cuda:x")
+
+
+def test_evaluate_out_appends_only_to_its_own_results(tmp_path):
+    """--out a run's metrics.jsonl had evaluate's result line appended to the run's record."""
+    import evaluate
+
+    run = outputs(tmp_path)["run"]
+    metrics = run / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "split": "train", "loss": 2.5}\n')
+    evaluate_fails(
+        tmp_path,
+        f"error: --out {metrics}:1 is not a result line of evaluate.py, and --out is appended to: give a new file "
+        "name, or one that earlier evaluate.py runs wrote",
+        out=str(metrics),
+    )
+    assert metrics.read_text() == '{"step": 1, "split": "train", "loss": 2.5}\n'
+    ours = tmp_path / "results.jsonl"
+    ours.write_text(json.dumps({"draft": "d", "results": {"mtbench": {}}}) + "\n")
+    evaluate.check_out(ours)  # an earlier run's results: appended to
