@@ -280,10 +280,7 @@ def _is_result_line(line: bytes) -> bool:
 
 def check_out(out: Path):
     """--out is appended to after minutes of decoding: one it cannot be is refused now (it was a
-    PermissionError traceback at the end). Nothing is created: a probe file in the nearest existing directory."""
-    import os
-    import tempfile
-
+    PermissionError traceback at the end), and so is a file of other lines than evaluate.py's results."""
     if out.is_dir():
         raise SystemExit(f"error: --out {out} is a directory; give a file name")
     if out.is_file():  # appended to: only a file of this command's result lines (a run's metrics.jsonl took one)
@@ -297,18 +294,27 @@ def check_out(out: Path):
                         )
         except OSError as e:
             raise SystemExit(f"error: --out {out}: cannot read it ({e.strerror or e})") from None
-    where = out.parent
+    check_writable("--out", out)
+
+
+def check_writable(flag: str, path: Path):
+    """A file written after minutes of decoding (--out appended to, --resume-file replaced through a temporary
+    beside it) that cannot be is refused now: they were tracebacks at the end (a --resume-file in a directory
+    that did not exist lost the decoding). Nothing is created: a probe file in the nearest existing directory."""
+    import os
+    import tempfile
+
+    where = path.parent
     while not where.exists() and where != where.parent:
         where = where.parent
     try:
-        if out.exists():
-            open(out, "a").close()  # appending nothing: writable, its lines untouched
-        else:
-            fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
-            os.close(fd)
-            os.unlink(probe)
+        if path.is_file():
+            open(path, "a").close()  # appending nothing: writable, its lines untouched
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror or e})") from None
+        raise SystemExit(f"error: {flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def load_resumed(path: Path, key: dict) -> dict:
@@ -332,6 +338,11 @@ def check_args(a: EvalArgs):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
     if bad := [k for k in a.k if k < 1]:
         raise SystemExit(f"error: -k takes draft tokens per step, at least 1 each, got {' '.join(map(str, bad))}")
+    for flag, k in [("-k", k) for k in a.k] + [("--tree-depth", a.tree_depth)] * bool(a.tree_topk):
+        if k > a.max_new_tokens:  # -k 100000 drafted 100000 tokens a step, one forward each: it looked hung
+            raise SystemExit(
+                f"error: {flag} {k} drafts more tokens a step than --max-new-tokens {a.max_new_tokens} lets be verified"
+            )
     if a.dtype not in ("fp32", "bf16"):
         raise SystemExit(f"error: --dtype must be fp32 or bf16, got {a.dtype!r}")
     kind, _, index = a.device.partition(":")  # --device tpu was a RuntimeError traceback after the models loaded
@@ -358,6 +369,7 @@ def main(a: EvalArgs) -> dict:
         raise SystemExit(f"error: {e}") from None
     if a.resume_file:
         read_resume_file(Path(a.resume_file))
+        check_writable("--resume-file", Path(a.resume_file))
     if a.out:
         check_out(Path(a.out))
     if a.threads:
@@ -467,6 +479,7 @@ def main(a: EvalArgs) -> dict:
                 flush=True,
             )
         if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
+            Path(a.resume_file).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(a.resume_file + ".tmp")
             tmp.write_text(json.dumps({"key": key, "results": result["results"]}))
             tmp.replace(a.resume_file)

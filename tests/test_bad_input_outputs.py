@@ -371,3 +371,31 @@ def test_evaluate_out_appends_only_to_its_own_results(tmp_path):
     ours = tmp_path / "results.jsonl"
     ours.write_text(json.dumps({"draft": "d", "results": {"mtbench": {}}}) + "\n")
     evaluate.check_out(ours)  # an earlier run's results: appended to
+
+
+def test_evaluate_resume_file_in_a_new_directory(tiny_run_inputs, tmp_path):
+    """--resume-file in a directory that did not exist was a FileNotFoundError traceback after the first dataset
+    was decoded (its results lost); now the directory is made, and a place that cannot be written is refused
+    before anything loads."""
+    import evaluate
+    from tests.test_speculative import tiny_eval_args
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Count to ten."}) + "\n")
+    args = dict(tiny_eval_args(tiny_run_inputs, tmp_path), data=(str(tmp_path / "p.jsonl"),), max_new_tokens=4, k=(2,))
+    resume = tmp_path / "new" / "sub" / "r.json"
+    evaluate.main(evaluate.EvalArgs(**args, resume_file=str(resume)))
+    assert set(json.loads(resume.read_text())["results"]) == {"p"}
+    (tmp_path / "afile").write_text("x")
+    evaluate_fails(
+        tmp_path,
+        f"error: --resume-file {tmp_path / 'afile' / 'r.json'}: cannot write there (Not a directory)",
+        resume_file=str(tmp_path / "afile" / "r.json"),
+    )
+
+
+def test_evaluate_k_beyond_max_new_tokens(tmp_path):
+    """-k 100000 drafted 100000 tokens a step, one draft forward each, with 4 to be verified: it looked hung."""
+    message = "error: -k 100000 drafts more tokens a step than --max-new-tokens 4 lets be verified"
+    evaluate_fails(tmp_path, message, k=(3, 100000), max_new_tokens=4)
+    message = "error: --tree-depth 9 drafts more tokens a step than --max-new-tokens 4 lets be verified"
+    evaluate_fails(tmp_path, message, tree_topk=2, tree_depth=9, max_new_tokens=4)
