@@ -386,6 +386,12 @@ def main(a: EvalArgs) -> dict:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"error: --device {a.device}: no CUDA device here")
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval().to(a.device)
+    ctx = getattr(model.config, "max_position_embeddings", None)
+    if ctx and a.max_new_tokens >= ctx:  # decoded past the context for minutes (garbage there), before any output
+        raise SystemExit(
+            f"error: --max-new-tokens {a.max_new_tokens} does not fit the target's context of {ctx} tokens "
+            f"(max_position_embeddings in {target_dir / 'config.json'})"
+        )
     tok = load_tokenizer(target_dir)
     if why := target_mismatch(draft.config, model.config.to_dict(), tok, recorded):
         raise SystemExit(f"error: draft {a.draft} does not fit target {target_dir}: {'; '.join(why)} (wrong --target?)")

@@ -399,3 +399,17 @@ def test_evaluate_k_beyond_max_new_tokens(tmp_path):
     evaluate_fails(tmp_path, message, k=(3, 100000), max_new_tokens=4)
     message = "error: --tree-depth 9 drafts more tokens a step than --max-new-tokens 4 lets be verified"
     evaluate_fails(tmp_path, message, tree_topk=2, tree_depth=9, max_new_tokens=4)
+
+
+def test_evaluate_max_new_tokens_beyond_the_context(tiny_run_inputs, tmp_path):
+    """--max-new-tokens 100000 on a 256-position target decoded for minutes past its context, printing nothing."""
+    import evaluate
+    from tests.test_speculative import tiny_eval_args
+
+    target, _ = tiny_run_inputs
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(evaluate.EvalArgs(**tiny_eval_args(tiny_run_inputs, tmp_path), max_new_tokens=100000))
+    assert str(e.value.code) == (
+        f"error: --max-new-tokens 100000 does not fit the target's context of 256 tokens (max_position_embeddings in "
+        f"{target / 'config.json'})"
+    )
