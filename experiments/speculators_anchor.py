@@ -316,7 +316,7 @@ def main(a: Args):
     store = capture(a, verifier)
 
     from data.feature_store import open_feature_store
-    from export import engine_aux_ids
+    from models.engines import engine_aux_ids
 
     s, examples = open_feature_store(store)
     lengths = [len(e.input_ids) for e in examples]

@@ -140,8 +140,8 @@ def vllm_target(spec, aux_layers=None, dtype=None, device="cpu", max_len: int = 
     import torch
     from transformers import AutoConfig
 
-    from export import engine_aux_ids  # export.py owns every engine's layer ids
     from features import VllmTarget
+    from models.engines import engine_aux_ids  # every engine's layer ids are converted there
     from models.target import default_aux_layers, load_heads, resolve_target
 
     dtype = dtype or torch.float32
