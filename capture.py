@@ -673,6 +673,20 @@ def check_regen(cfg: RegenConfig):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
 
 
+def check_context(target_dir: Path, tokens: int, what: str):
+    """A generation length past the target's context (max_position_embeddings), refused before it loads: the hf
+    engine decoded past it for as long as asked, the slots engine sized every slot's KV cache by it."""
+    try:
+        ctx = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):  # (resolve_target has read it: not expected)
+        return
+    if isinstance(ctx, int) and tokens > ctx:
+        raise SystemExit(
+            f"error: {what} ({tokens}) does not fit the target's context of {ctx} tokens (max_position_embeddings in "
+            f"{target_dir / 'config.json'})"
+        )
+
+
 def check_prompts(cfg: "PromptsConfig"):
     """capture.py prompts: the same up-front checks (--max-new-tokens -1 and --batch-size 0 were tracebacks)."""
     at_least = {"batch_size": 1, "max_new_tokens": 1, "num_prompts": 1, "max_batches": 0, "top_k": 0, "min_words": 0}
@@ -701,6 +715,7 @@ def regenerate(cfg: RegenConfig) -> dict:
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     device = torch.device(kind)
     target_dir = resolve_target(cfg.target)
+    check_context(target_dir, cfg.max_new_tokens, "--max-new-tokens")
     tokenizer = load_tokenizer(target_dir)
     records = load_records(cfg.data, cfg.num_records or None)
     if not records:  # e.g. a prompts file that an earlier step left empty: say so instead of "complete"
@@ -965,6 +980,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
     kind, dtype = pick_device(cfg.device, cfg.dtype)
     device = torch.device(kind)
     target_dir = resolve_target(cfg.target)
+    check_context(target_dir, cfg.max_new_tokens, "--max-new-tokens")
     tokenizer = load_tokenizer(target_dir)
     prefix = query_prefix(tokenizer, cfg.system)
     out = Path(cfg.out)

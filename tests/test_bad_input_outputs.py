@@ -413,3 +413,26 @@ def test_evaluate_max_new_tokens_beyond_the_context(tiny_run_inputs, tmp_path):
         f"error: --max-new-tokens 100000 does not fit the target's context of 256 tokens (max_position_embeddings in "
         f"{target / 'config.json'})"
     )
+
+
+@pytest.mark.parametrize("command", ["regenerate", "prompts"])
+def test_capture_generation_beyond_the_context(tmp_path, tiny_run_inputs, command):
+    """--max-new-tokens 100000 on a 256-position target decoded past its context for as long as asked."""
+    import capture
+
+    target, data = tiny_run_inputs
+    out = str(tmp_path / "o.jsonl")
+    if command == "regenerate":
+        run = lambda: capture.regenerate(
+            capture.RegenConfig(target=str(target), data=str(data), out=out, max_new_tokens=100000)
+        )  # noqa: E731
+        what = "--max-new-tokens (100000)"
+    else:
+        run = lambda: capture.write_prompts(capture.PromptsConfig(target=str(target), out=out, max_new_tokens=100000))  # noqa: E731
+        what = "--max-new-tokens (100000)"
+    capture_fails(
+        run,
+        f"error: {what} does not fit the target's context of 256 tokens (max_position_embeddings in "
+        f"{target / 'config.json'})",
+    )
+    assert not list(tmp_path.iterdir())
