@@ -168,7 +168,20 @@ def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, tiny_run_inputs, n
     target, data = tiny_run_inputs
     out = tmp_path / name
     out.write_bytes(content)
-    p = cli("capture.py", "regenerate", "--target", target, "--data", data, "--out", out, "--num-records", "2")
+    p = cli(
+        "capture.py",
+        "regenerate",
+        "--target",
+        target,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--num-records",
+        "2",
+        "--max-new-tokens",
+        "8",
+    )
     refused(p, f"error: --out {out}: {out} exists but was not written by capture.py regenerate")
     assert out.read_bytes() == content and sorted(x.name for x in tmp_path.iterdir()) == [name]
 
