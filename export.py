@@ -214,6 +214,12 @@ def export(
     family, serving = meta["strategy"], FAMILIES[meta["strategy"]].serving
     if serving and (why := serving.unservable(c)):
         raise ExportError(f"{ckpt}: {why}")
+    if target:  # given: a target model, or refused (a wrong path was skipped: no fit check, no tokenizer, recorded)
+        from runlog import output_kind
+
+        if kind := output_kind(target):
+            raise ExportError(f"--target {target} is {kind}, not a target model")
+        target = str(resolve_dir(target))
     target_dir = target or meta.get("target")
     tc = _target_config(target_dir, c)
     if serving is None:

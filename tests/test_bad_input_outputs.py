@@ -436,3 +436,38 @@ def test_capture_generation_beyond_the_context(tmp_path, tiny_run_inputs, comman
         f"{target / 'config.json'})",
     )
     assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- export.py
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ("none", "target '{}' not found: pass an HF model directory, a .gguf file, or 'smollm2'"),
+        ("file", "target file {} is not a .gguf file"),
+        ("empty", "target directory {} has no config.json"),
+        ("run", "--target {} is a training run (train.py --out), not a target model"),
+        ("store", "--target {} is a feature store (capture.py features --out), not a target model"),
+    ],
+)
+def test_export_target_given_must_be_a_target(tmp_path, given, message):
+    """The probe: an --target without a config.json (a missing path, a file, another command's output, even
+    'smollm2') was skipped without a word: the export skipped the check that the draft fits the target and the
+    tokenizer digest, recorded the wrong path as its target, and exited 0."""
+    import export
+    from tests.test_export import make_checkpoint
+
+    run, _, _ = make_checkpoint(tmp_path)
+    (tmp_path / "made").mkdir()
+    made = outputs(tmp_path / "made")
+    (tmp_path / "file").write_text("{}\n")
+    (tmp_path / "empty").mkdir()
+    path = made.get(given, tmp_path / given)
+    with pytest.raises(SystemExit) as e:
+        export.main(export.ExportArgs(ckpt=str(run), target=str(path), out=str(tmp_path / "x")))
+    msg = str(e.value.code)
+    assert msg.startswith("error: export failed: ") and message.format(path) in msg, msg
+    assert not (tmp_path / "x").exists()
+    export.main(export.ExportArgs(ckpt=str(run), target=str(tmp_path / "target"), out=str(tmp_path / "x")))
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["nanospec_export"]["target"] == str(
+        tmp_path / "target"
+    )
