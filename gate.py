@@ -163,6 +163,7 @@ def check_options(cfg: GateConfig):
     import math
 
     from models.families import FAMILIES
+    from tools.vllm_spec import venv_problem
 
     at_least = {"k": 1, "max_steps": 1, "chunk": 1, "scan_records": 1, "max_prompt_tokens": 1}
     at_least |= {"response_tokens": 1, "min_trainable": 0, "max_len": 2, "draft_vocab_size": 1, "vllm_timeout": 1}
@@ -180,6 +181,8 @@ def check_options(cfg: GateConfig):
             raise InputError(f"--{name.replace('_', '-')} must be a finite number {rng}, got {v}")
     if cfg.export_dtype not in ("bf16", "fp16", "fp32"):
         raise InputError(f"--export-dtype must be bf16, fp16 or fp32, got {cfg.export_dtype!r}")
+    if cfg.vllm_venv and (why := venv_problem(vllm_venv(cfg))):  # it was deleted whole before the build
+        raise InputError(f"--vllm-venv: {why}")
     served = [n for n, f in FAMILIES.items() if f.serving and "vllm" in f.serving.engines]
     if cfg.strategy not in served:
         raise InputError(
@@ -378,16 +381,16 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 
 # ---------------------------------------------------------------- stage 3
-def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
-    from tools.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv, run_job
+def vllm_venv(cfg: GateConfig) -> Path:
+    from tools.vllm_spec import DEFAULT_VENV
 
-    venv = (
-        DEFAULT_VENV
-        if not cfg.vllm_venv
-        else Path(cfg.vllm_venv)
-        if Path(cfg.vllm_venv).is_absolute()
-        else ROOT / cfg.vllm_venv
-    )
+    return DEFAULT_VENV if not cfg.vllm_venv else ROOT / cfg.vllm_venv  # ROOT / an absolute path: that path
+
+
+def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
+    from tools.vllm_spec import VllmError, ensure_venv, run_job
+
+    venv = vllm_venv(cfg)
     from export import ExportError, vllm_method
 
     try:

@@ -178,6 +178,38 @@ def test_gate_refuses_bad_options_before_loading(tmp_path, capsys, kw, message):
     assert json.loads((tmp_path / "g" / "gate.json").read_text())["failed_stage"] == "input"
 
 
+@pytest.mark.parametrize(
+    "given,message",
+    [
+        ("user", "vLLM venv {} is a directory but no virtualenv (no pyvenv.cfg); nothing in it is touched"),
+        ("file", "vLLM venv {} is a file: give a new path"),
+        ("venv", "vLLM venv {} is a virtualenv without vllm, not built here; nothing in it is touched"),
+    ],
+)
+def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, message):
+    """The probe: a --vllm-venv that did not import vllm was deleted whole before the venv was built there, so
+    `gate.py --vllm-venv runs` (a folder of runs) or `--vllm-venv .venv` (the project's venv) lost it. gate.py
+    refuses it up front; ensure_venv (evaluate.py --vllm, capture.py --backend vllm: NANOSPEC_VLLM_VENV) too."""
+    from tools.vllm_spec import VENV_MARKER, VllmError, ensure_venv, venv_problem
+
+    made = {"user": {"notes.txt": "mine"}, "venv": {"pyvenv.cfg": "home = /usr/bin", "bin/python": ""}}
+    path = tmp_path / given
+    if given == "file":
+        path.write_text("mine")
+    for name, text in made.get(given, {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    before = snapshot(path) if path.is_dir() else path.read_bytes()
+    gate_fails(capsys, "error: --vllm-venv: " + message.format(path), out=str(tmp_path / "g"), vllm_venv=str(path))
+    with pytest.raises(VllmError, match=re.escape(message.format(path))):
+        ensure_venv(path, log=lambda msg: None)
+    assert (snapshot(path) if path.is_dir() else path.read_bytes()) == before
+    assert venv_problem(tmp_path / "new") is None  # built there
+    if given == "venv":  # one this file started building (its marker) is rebuilt in place, as before
+        (path / VENV_MARKER).write_text("")
+        assert venv_problem(path) is None
+
+
 # ---------------------------------------------------------------- capture.py
 def capture_fails(run, message: str):
     with pytest.raises(SystemExit) as e:

@@ -48,16 +48,41 @@ def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
         # vllm.__file__ is None for a namespace package: what an install cut short leaves (a vllm/ holding
         # only its compiled _C, seen when the disk filled up), which would otherwise pass as a working venv
         check = "import vllm, sys; sys.exit(vllm.__file__ is None)"
-        return py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0
+        try:
+            return py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0
+        except OSError:  # not executable, not a program
+            return False
 
     if ready():
         return py
+    if why := venv_problem(venv):
+        raise VllmError(why)
     venv.parent.mkdir(parents=True, exist_ok=True)
     with open(venv.parent / f"{venv.name}.lock", "w") as lock:  # parallel test workers: one builds, the others wait
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready():
             return py
         return _build_venv(venv, py, log)
+
+
+VENV_MARKER = ".nanospec-vllm-venv"  # written into each venv built here: the only kind an unfinished build may replace
+
+
+def venv_problem(venv: Path) -> str | None:
+    """Why `venv` can be neither used nor built as the vLLM venv, without running anything (None: a new path,
+    a venv with vllm installed, or one this file started building). A venv that does not import vllm is
+    rebuilt in its place, deleting it first: a folder given by mistake (gate.py --vllm-venv runs) or another
+    virtualenv (the project's .venv) was deleted whole."""
+    if not venv.exists():
+        return None
+    use = "give a new path (the vLLM venv is built there) or a virtualenv with vllm installed"
+    if not venv.is_dir():
+        return f"vLLM venv {venv} is a file: {use}"
+    if not (venv / "pyvenv.cfg").exists():
+        return f"vLLM venv {venv} is a directory but no virtualenv (no pyvenv.cfg); nothing in it is touched: {use}"
+    if not (venv / VENV_MARKER).exists() and not any(venv.glob("lib/python*/site-packages/vllm")):
+        return f"vLLM venv {venv} is a virtualenv without vllm, not built here; nothing in it is touched: {use}"
+    return None
 
 
 def _build_venv(venv: Path, py: Path, log) -> Path:
@@ -75,6 +100,8 @@ def _build_venv(venv: Path, py: Path, log) -> Path:
     ]
     for cmd in steps:
         p = subprocess.run(cmd, capture_output=True, text=True)
+        if cmd is steps[0] and p.returncode == 0:
+            (venv / VENV_MARKER).write_text("")
         if p.returncode != 0 and "uninstall" not in cmd:
             raise VllmError(f"could not build the vLLM venv ({' '.join(cmd[2:5])}): {(p.stderr or p.stdout)[-800:]}")
     return py
