@@ -53,6 +53,7 @@ from features import BACKENDS, batch_features, load_target, open_for_training, p
 from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
+from models.moe import MoESizeError
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
 from optim import MuonAdamW, muon_groups
 from runlog import (
@@ -75,6 +76,7 @@ STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, tar
 # (finished, or stopped after --stop-after steps as asked) and 1 (failed: an `error:` line or a traceback).
 EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
+MAX_MOE_EXPERTS = 256
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
 
 
@@ -282,6 +284,18 @@ def validate(cfg: TrainConfig, world: int | None = None):
         )
     if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
         raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
+    if cfg.moe_experts > MAX_MOE_EXPERTS:  # 10**12 was a traceback from the allocator once the target had loaded
+        raise ConfigError(
+            f"--moe-experts {cfg.moe_experts}: at most {MAX_MOE_EXPERTS} (every expert runs on every token in training,"
+            " models/moe.py: E experts cost E MLPs)"
+        )
+    if not cfg.moe_experts and "moe_experts" in getattr(FAMILIES.get(cfg.strategy), "options", ()):
+        for name, dense in (("moe_top_k", 1), ("moe_shared", False), ("moe_mode", "flops"), ("moe_aux_coef", 0.01)):
+            if getattr(cfg, name) != dense:  # the dense MLP reads none of them: they were ignored
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} applies to a mixture-of-experts draft: pass --moe-experts N too "
+                    "(0, the default, is the dense MLP, which reads no --moe-* option)"
+                )
     if cfg.optimizer not in ("adamw", "muon"):
         raise ConfigError(f"--optimizer must be adamw or muon, got {cfg.optimizer!r}")
     if cfg.moe_mode not in ("flops", "params"):
@@ -695,7 +709,10 @@ class Trainer:
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
-        draft = self.family.build(cfg, t, counts, self.tokenizer)
+        try:
+            draft = self.family.build(cfg, t, counts, self.tokenizer)
+        except MoESizeError as e:  # needs the target's MLP size: known only now
+            raise ConfigError(f"--moe-experts {cfg.moe_experts} on this target: {e}") from None
         self.draft_config = draft.config
         if cfg.init_draft:
             self._init_from(draft, Path(cfg.init_draft))

@@ -26,6 +26,10 @@ class MoESizes(Protocol):
     moe_mode: str
 
 
+class MoESizeError(ValueError):
+    """Expert counts the dense MLP cannot be split into (train.py: one `error:` line)."""
+
+
 def moe_expert_size(c: MoESizes) -> int:
     """Intermediate size of one expert (the shared one included), from the dense size I:
       flops   I // (top_k + shared): the experts a token runs (top_k routed + the shared one)
@@ -39,6 +43,11 @@ def moe_expert_size(c: MoESizes) -> int:
     if not 1 <= c.moe_top_k <= c.moe_experts:
         raise ValueError(f"moe_top_k must be in [1, moe_experts={c.moe_experts}], got {c.moe_top_k}")
     n = (c.moe_top_k if c.moe_mode == "flops" else c.moe_experts) + int(c.moe_shared)
+    if c.intermediate_size < n:  # experts 0 wide: a draft with no MLP at all, trained without a word
+        raise MoESizeError(
+            f"moe_experts {c.moe_experts} ({c.moe_mode} mode{', + shared' if c.moe_shared else ''}): the dense "
+            f"intermediate size {c.intermediate_size} split {n} ways leaves experts 0 wide"
+        )
     return c.intermediate_size // n
 
 

@@ -417,3 +417,32 @@ def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
     with pytest.raises(SystemExit) as e:
         evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), **kw))  # refused before the draft is read
     assert str(e.value.code) == message if message.startswith("error") else message in str(e.value.code)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [  # the probe (issue 35): options of the MoE MLP on the dense one were read by nothing, without a word
+        ({"moe_top_k": 2}, "--moe-top-k applies to a mixture-of-experts draft: pass --moe-experts N too"),
+        ({"moe_shared": True}, "--moe-shared applies to a mixture-of-experts draft"),
+        ({"moe_mode": "params"}, "--moe-mode applies to a mixture-of-experts draft"),
+        ({"moe_aux_coef": 1e12}, "--moe-aux-coef applies to a mixture-of-experts draft"),
+        # a RuntimeError traceback from the allocator (the router's 10**12 outputs) once the target had loaded
+        ({"moe_experts": 10**12}, "--moe-experts 1000000000000: at most 256 (every expert runs on every token"),
+    ],
+)
+def test_moe_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_experts_too_many_for_the_target(tmp_path, tiny_run_inputs):
+    """--moe-mode params splits the dense MLP (the tiny target's: 128 wide) over the experts: 200 left them 0
+    wide, a draft with no MLP at all."""
+    main_fails(
+        cfg_of(*tiny_run_inputs, tmp_path / "out", moe_experts=200, moe_mode="params"),
+        "error: --moe-experts 200 on this target: moe_experts 200 (params mode): the dense intermediate size 128 "
+        "split 200 ways leaves experts 0 wide",
+    )
