@@ -57,6 +57,7 @@ from models.moe import MoESizeError
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
 from optim import MuonAdamW, muon_groups
 from runlog import (
+    RUN_FILES,
     Heartbeat,
     RunLog,
     Throughput,
@@ -420,6 +421,17 @@ def check_inputs(cfg: TrainConfig):
         raise ConfigError(
             f"--out {cfg.out} is {kind}: a run written there would mix with its files; give another --out"
         )
+    if not cfg.out.strip():  # was the current directory: a run written among the files there
+        raise ConfigError("--out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)")
+    out = Path(cfg.out)
+    if out.is_dir() and not kind and not previous_run(out):  # e.g. the target's folder, `--out .`, `--out runs`
+        found = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "pipeline")
+        if found:
+            shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+            raise ConfigError(
+                f"--out {out} holds files no run wrote ({shown}): the run ({', '.join(RUN_FILES)}) would be written "
+                "among them; give a new or empty directory"
+            )
 
 
 def check_out(cfg: TrainConfig, rank: int = 0):

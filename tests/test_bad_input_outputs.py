@@ -101,6 +101,30 @@ def test_train_refuses_other_outputs(tmp_path, tiny_run_inputs, monkeypatch, fie
     assert {name: snapshot(d) for name, d in made.items()} == before and not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("given", ["", "user", "target"])
+def test_train_out_that_holds_other_files(tmp_path, tiny_run_inputs, monkeypatch, given):
+    """The probe: `--out ""` wrote the run into the current directory (a checkout's root took ckpt/, tb/,
+    metrics.jsonl and run.json); a folder of a user's files or the target model's own folder took the run among
+    their files. An empty directory, a new one or an earlier run's (with --resume / --overwrite) still do."""
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    target, data = tiny_run_inputs
+    out = {"": "", "user": tmp_path / "user", "target": target}[given]
+    if given == "user":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    before = snapshot(Path(out)) if out else None
+    first = "notes.txt" if given == "user" else "chat_template.jinja, config.json"
+    msg = (
+        f"error: --out {out} holds files no run wrote ({first}"
+        if out
+        else "error: --out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)"
+    )
+    main_fails(cfg_of(target, data, out), msg)
+    assert not out or snapshot(Path(out)) == before
+
+
 # ---------------------------------------------------------------- gate.py
 def gate_fails(capsys, message: str, **kw) -> str:
     import gate
