@@ -30,7 +30,6 @@ import tyro
 
 from data.benchmarks import DATASETS, load_prompts
 from data.vocab import coverage_rows
-from models.eagle3 import Eagle3Proposer
 from models.families import FAMILIES
 from models.proposer import Proposer
 from speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
@@ -92,7 +91,7 @@ def run_dataset(
 def run_dataset_batched(
     target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False
 ):
-    """run_dataset for an EAGLE-3 chain proposer, `batch` conversations decoded at once
+    """run_dataset for a proposer that `batches` (EAGLE-3 chains), `batch` conversations decoded at once
     (batched_chain.py); turn t of every conversation in a group runs in one batch."""
     from batched_chain import batched_chain_generate
 
@@ -443,7 +442,7 @@ def main(a: EvalArgs) -> dict:
         convs = prompt_sets[name]
         result["results"][ds] = {}
         for p in proposers:
-            if a.batch > 1 and type(p) is Eagle3Proposer and p.topk == 1:  # chains only (not P-EAGLE, a subclass)
+            if a.batch > 1 and p.batches:  # EAGLE-3 chains (models/proposer.py Proposer.batches)
                 st, sec, turns = run_dataset_batched(
                     target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy
                 )

@@ -50,7 +50,6 @@ from disagg.roles import consumer_target
 from disagg.roles import main as disagg_main
 from distributed import all_sum, barrier, destroy, init_distributed
 from features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
-from models.eagle3 import ATTENTION, LOSSES
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.moe import MoESizeError
@@ -177,12 +176,14 @@ class TrainConfig:
     """evaluate the untrained draft before the first step (its figures are the baseline of the run's curve)"""
     eval_batch_size: int = 8
     attention: str = "auto"
-    """TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU; FlexAttention, K/V
-    concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory, BENCHMARKS.md);
-    auto = flex on GPU, lse on CPU"""
+    """eagle3's TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU;
+    FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory,
+    BENCHMARKS.md); auto = flex on GPU, lse on CPU. peagle, dflash, domino, dspark: eager (dense masks) |
+    flex (GPU); auto = flex on GPU, eager on CPU"""
     loss: str = "auto"
-    """head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton on GPU
-    (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU"""
+    """eagle3's head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton
+    on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU; the other families compute
+    their own (none reads --loss)"""
     device: str = "auto"
     """auto | cpu | cuda"""
     backend: str = "auto"
@@ -331,6 +332,16 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if getattr(cfg, name) != getattr(default, name):
             users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
             raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
+    family = FAMILIES[cfg.strategy]
+    for name, field in (("attention", "attentions"), ("loss", "losses")):  # read by some families only
+        given, values = getattr(cfg, name), getattr(family, field)
+        if given == "auto" or given in values:
+            continue
+        users = ", ".join(n for n, f in FAMILIES.items() if given in getattr(f, field))
+        takes = f"it takes auto, {', '.join(values)}" if values else "it reads no --" + name
+        if users:  # e.g. --loss triton or --attention lse for dflash: refused, never ignored
+            raise ConfigError(f"--{name} {given} applies to --strategy {users}, not {cfg.strategy} ({takes})")
+        raise ConfigError(f"--{name} {given!r} is no {name} of any family; for --strategy {cfg.strategy} {takes}")
 
 
 def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool) -> int:
@@ -525,10 +536,8 @@ class Trainer:
         if cfg.device not in ("auto", "cpu", "cuda"):  # anything else ran on the CPU without a word
             raise ConfigError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
         kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-        auto = {"attention": "flex" if kind == "cuda" else "lse", "loss": "triton" if kind == "cuda" else "torch"}
+        auto = self.family.auto(kind)
         cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
-        if cfg.attention not in ATTENTION or cfg.loss not in LOSSES:
-            raise ConfigError(f"--attention must be one of {sorted(ATTENTION)} and --loss one of {LOSSES}")
         if kind == "cpu" and cfg.attention.startswith("flex"):
             raise ConfigError(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"

@@ -41,7 +41,7 @@ from torch import nn
 from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
 from models.block_serving import DFLASH, BlockServing
-from models.family import Family, block_attention, generator, pick_mask_token
+from models.family import PARALLEL_ATTENTIONS, Family, generator, parallel_attention, parallel_auto, pick_mask_token
 from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.proposer import Proposer, Tree, verified_depth
 
@@ -470,7 +470,7 @@ def _build(cfg, target, counts, tokenizer):
 
 
 def _step(module, batch, counts, cfg, b, schedule):
-    return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+    return module(batch, counts, objective=cfg.objective, loss_decay=cfg.loss_decay, attention=parallel_attention(cfg))
 
 
 FAMILY = Family(
@@ -486,5 +486,7 @@ FAMILY = Family(
     step=_step,
     proposer=block_proposer,
     serving=BlockServing(("vllm",), "dflash", architecture=DFLASH, speculators=("dflash", "DFlashSpeculator")),
+    attentions=PARALLEL_ATTENTIONS,
+    auto=parallel_auto,
     packs=True,
 )

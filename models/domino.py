@@ -41,7 +41,7 @@ from models.dflash import (
     block_family_host,
     block_proposer,
 )
-from models.family import Family, block_attention, pick_mask_token
+from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 
 RAMP = 0.5  # fraction of training over which λ goes 0 -> 1
 
@@ -159,7 +159,7 @@ def _build(cfg, target, counts, tokenizer):
 
 
 def _step(module, batch, counts, cfg, b, schedule):  # the schedule drives the base -> corrected curriculum
-    return module(batch, counts, progress=schedule, loss_decay=cfg.loss_decay, attention=block_attention(cfg))
+    return module(batch, counts, progress=schedule, loss_decay=cfg.loss_decay, attention=parallel_attention(cfg))
 
 
 FAMILY = Family(
@@ -175,5 +175,7 @@ FAMILY = Family(
     step=_step,
     proposer=block_proposer,
     serving=None,
+    attentions=PARALLEL_ATTENTIONS,
+    auto=parallel_auto,
     packs=True,  # no engine loader (vLLM 0.32 has none)
 )

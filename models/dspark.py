@@ -44,7 +44,7 @@ from models.dflash import (
     block_family_batch,
     block_family_host,
 )
-from models.family import Family, block_attention, pick_mask_token
+from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 from models.proposer import Tree
 
 GAMMA, CE_ALPHA, L1_ALPHA, CONF_ALPHA = 4.0, 0.1, 0.9, 1.0  # DeepSpec config/dspark/dspark_qwen3_8_27b.py
@@ -191,10 +191,12 @@ FAMILY = Family(
     host=block_family_host,
     make_batch=_make_batch,
     counts=lambda batch, draft, cfg: block_counts(batch),
-    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
+    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=parallel_attention(cfg)),
     proposer=lambda draft, model, depth, topk: DSparkProposer(
         draft, model.get_input_embeddings(), model.get_output_embeddings().weight, depth=depth
     ),
     serving=BlockServing(("vllm",), "dspark", architecture=DSPARK, speculators=("dspark", "DSparkSpeculator")),
+    attentions=PARALLEL_ATTENTIONS,
+    auto=parallel_auto,
     packs=True,
 )

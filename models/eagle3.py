@@ -463,6 +463,10 @@ class Eagle3Proposer(Proposer):
         self.dtype = draft.fc.weight.dtype
         self.past, self.n_real, self.h_last = None, 0, None
 
+    @property
+    def batches(self) -> bool:  # chains only: batched_chain.py has no trees
+        return self.topk == 1
+
     def _emb(self, tokens: list[int]):
         w = self.embed.weight
         return self.embed(torch.tensor([tokens], device=w.device)).to(self.dtype)
@@ -588,6 +592,13 @@ FAMILY = Family(
     step=_step,
     proposer=_proposer,
     serving=EagleServing(("vllm", "sglang"), "eagle3", speculators=("eagle3", "Eagle3Speculator")),
+    attentions=tuple(ATTENTION),
+    losses=LOSSES,
+    # flex and the in-place Triton CE on a GPU (the fastest step on the H200, BENCHMARKS.md); on the CPU
+    # flex has no backward and Triton runs only interpreted
+    auto=lambda kind: (
+        {"attention": "flex", "loss": "triton"} if kind == "cuda" else {"attention": "lse", "loss": "torch"}
+    ),
     draft_vocab=True,
     packs=True,
     ttt_passes=True,

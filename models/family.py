@@ -9,6 +9,8 @@ family only through that list, so adding one is a new file here plus one line th
     objectives  accepted --objective values, the first is the default
     options     the TrainConfig fields that only some families read: this family's subset
                 (train.py refuses the others when set away from their defaults)
+    attentions, losses  the --attention / --loss values it reads (empty: it reads no such option,
+                and train.py refuses one given); `auto(device kind)` -> the values "auto" means there
     build       (cfg, target, token counts, tokenizer) -> the draft module
     host        host-side additions to a collated batch (TTT rows, block anchors, sampled depths),
                 made on the prefetch thread; random draws come from generators seeded by
@@ -131,6 +133,9 @@ class Family:
     step: Callable
     proposer: Callable
     serving: Serving | None
+    attentions: tuple[str, ...] = ()
+    losses: tuple[str, ...] = ()
+    auto: Callable[[str], dict] = lambda kind: {}
     draft_vocab: bool = False
     packs: bool = False
     ttt_passes: bool = False
@@ -160,6 +165,15 @@ def with_vocab(draft, counts, size: int):
     return draft
 
 
-def block_attention(cfg) -> str:
-    """The block families' attention: flex when --attention asks for a flex variant, else dense."""
-    return "flex" if cfg.attention.startswith("flex") else "dense"
+# --attention of the parallel families (P-EAGLE, DFlash, Domino, DSpark): eager = dense masks (the
+# reference, any device), flex = FlexAttention block masks (GPU: no flex backward on CPU)
+PARALLEL_ATTENTIONS = ("eager", "flex")
+
+
+def parallel_auto(kind: str) -> dict:
+    return {"attention": "flex" if kind == "cuda" else "eager"}
+
+
+def parallel_attention(cfg) -> str:
+    """The parallel families' attention as their modules name it: flex, or dense for eager."""
+    return "flex" if cfg.attention == "flex" else "dense"

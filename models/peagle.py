@@ -34,7 +34,15 @@ from torch import nn
 from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
 from models.eagle_serving import EagleServing
-from models.family import Family, block_attention, generator, pick_mask_token, with_vocab
+from models.family import (
+    PARALLEL_ATTENTIONS,
+    Family,
+    generator,
+    parallel_attention,
+    parallel_auto,
+    pick_mask_token,
+    with_vocab,
+)
 from models.proposer import Tree, verified_depth
 
 DOWN_SAMPLE_RATIO, DOWN_SAMPLE_MIN = 0.7, 0.2
@@ -215,6 +223,8 @@ class PEagleProposer(Eagle3Proposer):
     to each other (vLLM's parallel_drafting layout). depth k < K drafts the first k (the slots are
     causal, so they are the first k of the K)."""
 
+    batches = False  # one parallel forward a step, not the chain batched_chain.py runs
+
     def __init__(self, draft, embed_tokens, depth: int | None = None):
         super().__init__(draft, embed_tokens, depth=verified_depth(depth, draft.K))
         self.name = f"peagle-parallel{draft.K}" + (f"-first{self.depth}" if self.depth < draft.K else "")
@@ -276,7 +286,7 @@ FAMILY = Family(
     ),
     make_batch=_make_batch,
     counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),
-    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=block_attention(cfg)),
+    step=lambda module, batch, counts, cfg, b, schedule: module(batch, counts, attention=parallel_attention(cfg)),
     proposer=lambda draft, model, depth, topk: PEagleProposer(draft, model.get_input_embeddings(), depth),
     # vLLM drafts P-EAGLE as EAGLE-3 with parallel_drafting (SGLang has no parallel drafting here)
     serving=EagleServing(
@@ -286,6 +296,8 @@ FAMILY = Family(
         speculators=("peagle", "PEagleSpeculator"),
         missing="SGLang has no EAGLE-3 parallel drafting here",
     ),
+    attentions=PARALLEL_ATTENTIONS,
+    auto=parallel_auto,
     draft_vocab=True,
     packs=True,
 )

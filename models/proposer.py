@@ -41,6 +41,9 @@ class Proposer:
 
     name = "none"
     needs_aux = False
+    # its steps are EAGLE-3 chains over the draft's own KV cache, which batched_chain.py runs in lockstep
+    # for many prompts at once (evaluate.py --batch); a proposer without it decodes one prompt at a time
+    batches = False
 
     def prefill(self, ids: list[int], aux):
         pass

@@ -100,6 +100,23 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
             "--resume continues the run in --out and --overwrite replaces it: pass one of them",
         ),
         ({"resume": True, "init_draft": "runs/other"}, "--resume continues the run in --out with its own weights"),
+        # --attention and --loss belong to the families that read them (issue 34): refused, never ignored
+        (
+            {"attention": "nope"},
+            "--attention 'nope' is no attention of any family; for --strategy eagle3 it takes auto, eager, lse, flex",
+        ),
+        (
+            {"strategy": "dflash", "draft_vocab_size": 8192, "loss": "triton"},
+            "--loss triton applies to --strategy eagle3, not dflash (it reads no",
+        ),
+        (
+            {"strategy": "dflash", "draft_vocab_size": 8192, "attention": "lse"},
+            "--attention lse applies to --strategy eagle3, not dflash (it takes auto, eager, flex)",
+        ),
+        (
+            {"strategy": "peagle", "attention": "flex_buf"},
+            "--attention flex_buf applies to --strategy eagle3, not peagle",
+        ),
     ],
 )
 def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
@@ -114,7 +131,6 @@ def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
     "kw,message",
     [  # refused in Trainer.__init__ before anything loads; these lacked the 'error: ' prefix (issue 35)
         ({"objective": "foo"}, "error: --objective 'foo' is not one of eagle3's: kl, "),
-        ({"attention": "nope"}, "error: --attention must be one of "),
         ({"backend": "nope"}, "error: --backend must be auto or one of "),
         ({"attention": "flex", "device": "cpu"}, "error: --attention flex has no backward on CPU"),
         ({"device": "nope"}, "error: --device must be auto, cpu or cuda, got 'nope'"),  # ran on the CPU silently

@@ -121,3 +121,19 @@ def test_max_new_tokens_one_and_single_prompt():
     draft = draft.double()
     got = batched_chain_generate(hf, draft, [[1, 2, 3]], 3, 1)
     assert got[0][0] == hf_greedy(hf, [1, 2, 3], 1) and got[0][1].drafts == 0
+
+
+def test_which_proposers_batch():
+    """evaluate.py --batch hands a proposer to batched_chain.py by its `batches` (it names no family): EAGLE-3
+    chains only; not its trees, not P-EAGLE (an Eagle3Proposer subclass drafting K in one forward), not n-grams."""
+    from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
+    from speculative import NgramProposer
+
+    hf = tiny_llama(seed=0)
+    draft, aux = random_draft(hf, 0)
+    emb = hf.get_input_embeddings()
+    peagle = PEagleDraft(PEagleConfig.from_target(hf.config, 48, aux, mask_token_id=1, depths=4))
+    assert Eagle3Proposer(draft, emb, depth=3).batches
+    assert not Eagle3Proposer(draft, emb, depth=3, topk=2).batches
+    assert not PEagleProposer(peagle, emb).batches
+    assert not NgramProposer(3).batches and not Proposer().batches

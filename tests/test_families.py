@@ -26,7 +26,7 @@ def _config(name: str) -> TrainConfig:
     return TrainConfig(
         strategy=name,
         attention="eager",
-        loss="torch",
+        loss="torch" if f.losses else "auto",  # only the families that read --loss take one
         objective=f.objectives[0],
         **{k: v for k, v in small.items() if k not in FAMILY_OPTIONS or k in f.options},
     )
