@@ -77,6 +77,7 @@ STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, tar
 EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
 MAX_MOE_EXPERTS = 256
+MAX_PROCESSES = 1024  # --producers, --consumer-ranks: processes the disaggregated launcher starts on one host
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
 
 
@@ -286,6 +287,12 @@ def validate(cfg: TrainConfig, world: int | None = None):
         )
     if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
         raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
+    if cfg.tp > 1 and (world % cfg.tp or cfg.backend not in ("auto", "compiled") or cfg.features or cfg.deploy.role):
+        raise ConfigError(  # (was a SystemExit without 'error: ' once the target had loaded; Trainer checks it too)
+            f"--tp {cfg.tp} must divide the number of ranks ({world}) and needs --backend compiled "
+            "with an online target (no --features, no disaggregated roles)"
+        )
+    check_deploy(cfg.deploy)
     if cfg.moe_experts > MAX_MOE_EXPERTS:  # 10**12 was a traceback from the allocator once the target had loaded
         raise ConfigError(
             f"--moe-experts {cfg.moe_experts}: at most {MAX_MOE_EXPERTS} (every expert runs on every token in training,"
@@ -306,6 +313,12 @@ def validate(cfg: TrainConfig, world: int | None = None):
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
             "data-parallel ranks"
+        )
+    rows = cfg.batch_tokens // cfg.max_len if cfg.batch_tokens > 0 else cfg.batch_size
+    if cfg.pack_row_multiple > max(rows, 1):  # 10**12 was an allocator traceback: a batch padded to that many rows
+        raise ConfigError(
+            f"--pack-row-multiple {cfg.pack_row_multiple} is more rows than a batch holds ({rows}): every batch would "
+            f"be padded to {cfg.pack_row_multiple} rows, nearly all of them padding"
         )
     if cfg.batch_tokens < -1 or 0 < cfg.batch_tokens < cfg.max_len:
         raise ConfigError(
@@ -342,6 +355,35 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if users:  # e.g. --loss triton or --attention lse for dflash: refused, never ignored
             raise ConfigError(f"--{name} {given} applies to --strategy {users}, not {cfg.strategy} ({takes})")
         raise ConfigError(f"--{name} {given!r} is no {name} of any family; for --strategy {cfg.strategy} {takes}")
+
+
+def check_deploy(d: DeployConfig):
+    """The disaggregated options (disagg/): values that cannot work (--producers -1 was a ZeroDivisionError, 10**12
+    started processes until killed), and any of them given without --producers or --role, where the target runs in
+    this process and none of them is read (they were ignored without a word)."""
+    for name, low, high in (
+        ("producers", 0, MAX_PROCESSES),  # the launcher starts every producer and consumer rank on this host
+        ("consumer_ranks", 1, MAX_PROCESSES),
+        ("lease_size", 0, None),
+        ("high_watermark", 0, None),
+        ("low_watermark", 0, None),
+        ("max_attempts", 1, None),
+    ):
+        v = getattr(d, name)
+        if v < low or (high is not None and v > high):
+            most = f" and at most {high} (the launcher starts them all on this host)" if high else ""
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{most}, got {v}")
+    for name in ("heartbeat", "lease_timeout", "producer_timeout"):
+        if not (math.isfinite(v := getattr(d, name)) and v > 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds above 0, got {v}")
+    if not d.producers and not d.role:
+        default = DeployConfig()
+        for f in dataclasses.fields(d):
+            if getattr(d, f.name) != getattr(default, f.name):
+                raise ConfigError(
+                    f"--{f.name.replace('_', '-')} applies to disaggregated training (--producers N, or --role for one "
+                    "pool member): without them the target runs in this process and reads no deployment option"
+                )
 
 
 def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool) -> int:
@@ -432,6 +474,14 @@ def check_inputs(cfg: TrainConfig):
         raise ConfigError(
             f"--out {cfg.out} is {kind}: a run written there would mix with its files; give another --out"
         )
+    control = Path(cfg.deploy.control)
+    if cfg.deploy.control and not cfg.resume and control.is_dir() and not (control / "control.db").exists():
+        if found := sorted(p.name for p in control.iterdir()):  # a fresh run deletes its features/ and control.db
+            shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+            raise ConfigError(
+                f"--control {control} holds files of no run's control directory ({shown}): a fresh run deletes the "
+                "control.db and features/ it finds there; give a new or empty directory"
+            )
     if not cfg.out.strip():  # was the current directory: a run written among the files there
         raise ConfigError("--out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)")
     out = Path(cfg.out)
@@ -558,7 +608,7 @@ class Trainer:
         self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
         if cfg.tp > 1:
             if self.world % cfg.tp or cfg.backend not in ("auto", "compiled") or cfg.features or cfg.deploy.role:
-                raise SystemExit(
+                raise ConfigError(
                     f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
                     "with an online target (no --features, no disaggregated roles)"
                 )

@@ -462,3 +462,65 @@ def test_moe_experts_too_many_for_the_target(tmp_path, tiny_run_inputs):
         "error: --moe-experts 200 on this target: moe_experts 200 (params mode): the dense intermediate size 128 "
         "split 200 ways leaves experts 0 wide",
     )
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [  # the probe (issue 35): both were found only once the target had loaded
+        ({"tp": 10**12}, "--tp 1000000000000 must divide the number of ranks (1) and needs --backend compiled"),
+        ({"tp": 2, "features": "/a/store"}, "--tp 2 must divide the number of ranks (1)"),  # (was no 'error: ')
+        ({"pack_row_multiple": 10**12}, "--pack-row-multiple 1000000000000 is more rows than a batch holds (2)"),
+        ({"pack_row_multiple": 3, "batch_tokens": 128}, "--pack-row-multiple 3 is more rows than a batch holds (2)"),
+    ],
+)
+def test_tp_and_row_padding_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
+    import train
+
+    monkeypatch.setattr(train, "Trainer", None)
+    main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
+    assert not (tmp_path / "out").exists()
+    train.validate(cfg_of(*tiny_run_inputs, tmp_path / "out", tp=2), world=2)  # one tp group of 2: fine
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [  # the probe (issue 35): --producers -1 was a ZeroDivisionError, 10**12 started processes until killed
+        ({"producers": -1}, "--producers must be at least 0 and at most 1024 (the launcher starts them all on"),
+        ({"producers": 10**12}, "--producers must be at least 0 and at most 1024"),
+        (
+            {"producers": 1, "consumer_ranks": 0},
+            "--consumer-ranks must be at least 1 and at most 1024 (the launcher starts them all on this host), got 0",
+        ),
+        ({"producers": 1, "heartbeat": float("nan")}, "--heartbeat must be a finite number of seconds above 0"),
+        ({"producers": 1, "lease_timeout": 0.0}, "--lease-timeout must be a finite number of seconds above 0"),
+        ({"producers": 1, "max_attempts": 0}, "--max-attempts must be at least 1, got 0"),
+        # every deployment option without --producers or --role was read by nothing, without a word
+        ({"consumer_ranks": 2}, "--consumer-ranks applies to disaggregated training (--producers N, or --role"),
+        ({"lease_size": -1}, "--lease-size must be at least 0, got -1"),
+        ({"lease_size": 8}, "--lease-size applies to disaggregated training"),
+        ({"control": "/tmp/ctl"}, "--control applies to disaggregated training"),
+    ],
+)
+def test_deploy_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
+    import train
+    from config import DeployConfig
+
+    monkeypatch.setattr(train, "Trainer", None)
+    cfg = cfg_of(*tiny_run_inputs, tmp_path / "out", deploy=DeployConfig(**kw))
+    main_fails(cfg, "error: " + message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_control_dir_of_other_files_is_refused(tmp_path, tiny_run_inputs):
+    """A fresh disaggregated run deletes the control.db and features/ of its --control: `--control runs` took
+    runs/features, capture.py features' default store. Refused before anything starts."""
+    import train
+    from config import DeployConfig
+
+    ctl = tmp_path / "runs"
+    (ctl / "features").mkdir(parents=True)
+    (ctl / "features" / "store.json").write_text("{}")
+    cfg = cfg_of(*tiny_run_inputs, tmp_path / "out", deploy=DeployConfig(producers=1, control=str(ctl)))
+    with pytest.raises(train.ConfigError, match="holds files of no run's control directory \\(features\\)"):
+        train.check_inputs(cfg)
+    assert (ctl / "features" / "store.json").read_text() == "{}"
