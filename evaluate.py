@@ -337,6 +337,9 @@ def check_args(a: EvalArgs):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
     if bad := [k for k in a.k if k < 1]:
         raise SystemExit(f"error: -k takes draft tokens per step, at least 1 each, got {' '.join(map(str, bad))}")
+    for flag, given in (("-k", a.k), ("--data", a.data)):  # -k 1 1 decoded every prompt twice to the same result
+        if dup := sorted({str(v) for v in given if given.count(v) > 1}):
+            raise SystemExit(f"error: {flag} names {', '.join(dup)} more than once (each value is one run)")
     for flag, k in [("-k", k) for k in a.k] + [("--tree-depth", a.tree_depth)] * bool(a.tree_topk):
         if k > a.max_new_tokens:  # -k 100000 drafted 100000 tokens a step, one forward each: it looked hung
             raise SystemExit(

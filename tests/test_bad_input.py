@@ -425,6 +425,9 @@ def test_aux_layers_out_of_range(tmp_path, tiny_run_inputs):
         ({"num_prompts": -1}, "error: --num-prompts must be at least 0 (0 = all), got -1"),
         ({"batch": 0}, "error: --batch must be at least 1, got 0"),
         ({"dtype": "fp16"}, "error: --dtype must be fp32 or bf16, got 'fp16'"),
+        # the probe: -k 1 1 decoded every prompt twice; a --data given twice was read once, without a word
+        ({"k": (1, 2, 1)}, "error: -k names 1 more than once (each value is one run)"),
+        ({"data": ("mtbench", "mtbench")}, "error: --data names mtbench more than once (each value is one run)"),
     ],
 )
 def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
