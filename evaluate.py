@@ -20,6 +20,7 @@ hold "prompt", "turns" or "messages". Prompts are rendered with the target's cha
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,13 @@ def run_dataset_batched(
     return st, time.time() - t0, [x for turns in by_conv for x in turns]
 
 
+def target_context(target_dir) -> int | None:
+    try:
+        return json.loads((Path(target_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def vllm_agreement(
     draft_path: str,
     target_dir,
@@ -146,7 +154,7 @@ def vllm_agreement(
         "prompts": [p for _, p, _, _ in turns],
         "max_tokens": max_new,
         "dtype": "float32",
-        "max_model_len": 4096,
+        "max_model_len": min(4096, target_context(target_dir) or 4096),  # vLLM refuses more than the target's
         "batch": False,
         "method": method,
         "speculative_extra": extra,
@@ -345,6 +353,12 @@ def check_args(a: EvalArgs):
             raise SystemExit(
                 f"error: {flag} {k} drafts more tokens a step than --max-new-tokens {a.max_new_tokens} lets be verified"
             )
+    if a.tree_depth != EvalArgs.tree_depth and not a.tree_topk:  # read by the tree run only: it was ignored
+        raise SystemExit("error: --tree-depth applies to the tree run: pass --tree-topk N too")
+    if a.threads > 1024:  # 10**12 was an overflow traceback from torch
+        raise SystemExit(
+            f"error: --threads must be at most 1024 (this machine has {os.cpu_count()} cores), got {a.threads}"
+        )
     if a.dtype not in ("fp32", "bf16"):
         raise SystemExit(f"error: --dtype must be fp32 or bf16, got {a.dtype!r}")
     kind, _, index = a.device.partition(":")  # --device tpu was a RuntimeError traceback after the models loaded
@@ -403,6 +417,10 @@ def main(a: EvalArgs) -> dict:
     if FAMILIES[draft.family].decode_depth:
         proposers = [proposer_for(draft, model, depth=k) for k in a.k or (3,)]
         if a.tree_topk:
+            if a.tree_topk > (
+                V := getattr(draft.config, "draft_vocab_size", a.tree_topk)
+            ):  # a RuntimeError from topk after the models loaded
+                raise SystemExit(f"error: --tree-topk {a.tree_topk} is more than the draft's vocabulary of {V}")
             proposers.append(proposer_for(draft, model, depth=a.tree_depth, topk=a.tree_topk))
     else:  # the K the draft was trained for, one proposal per step (the first k of them verified)
         try:
@@ -494,10 +512,16 @@ def main(a: EvalArgs) -> dict:
     if a.vllm:
         import tempfile
 
+        from tools.vllm_spec import VllmError
+
         result["vllm"] = {}
         with tempfile.TemporaryDirectory() as tmp:
             for k, turns in replay.items():
-                agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
+                try:
+                    agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
+                except VllmError as e:  # was a traceback, after every dataset had been decoded: print those first
+                    print(json.dumps(result), flush=True)
+                    raise SystemExit(f"error: --vllm: the replay in vLLM failed: {e}") from None
                 result["vllm"][f"chain{k}"] = agree
                 for ds, r in agree.items():
                     print(

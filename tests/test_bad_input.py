@@ -428,6 +428,8 @@ def test_aux_layers_out_of_range(tmp_path, tiny_run_inputs):
         # the probe: -k 1 1 decoded every prompt twice; a --data given twice was read once, without a word
         ({"k": (1, 2, 1)}, "error: -k names 1 more than once (each value is one run)"),
         ({"data": ("mtbench", "mtbench")}, "error: --data names mtbench more than once (each value is one run)"),
+        ({"tree_depth": 9}, "error: --tree-depth applies to the tree run: pass --tree-topk N too"),  # was ignored
+        ({"threads": 10**12}, "--threads must be at most 1024 (this machine has"),  # an overflow traceback
     ],
 )
 def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):

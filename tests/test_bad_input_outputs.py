@@ -471,6 +471,36 @@ def test_evaluate_max_new_tokens_beyond_the_context(tiny_run_inputs, tmp_path):
     )
 
 
+def test_evaluate_tree_topk_beyond_the_draft_vocab(tiny_run_inputs, tmp_path):
+    """The probe: --tree-topk 10**12 was a RuntimeError traceback from topk once both models had loaded."""
+    import evaluate
+    from tests.test_speculative import tiny_eval_args
+
+    args = tiny_eval_args(tiny_run_inputs, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(evaluate.EvalArgs(**args, data=("mtbench",), max_new_tokens=8, tree_topk=10**12))
+    assert str(e.value.code) == "error: --tree-topk 1000000000000 is more than the draft's vocabulary of 64"
+
+
+def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    """The probe: --vllm on the tiny target was a VllmError traceback after every dataset had been decoded (vLLM
+    refused max_model_len 4096 on a 256-position target: it is the target's context now); the results print first."""
+    import evaluate
+    from tests.test_speculative import tiny_eval_args
+    from tools.vllm_spec import VllmError
+
+    def fails(*a, **kw):
+        raise VllmError("vLLM exited 1: no vLLM here")
+
+    monkeypatch.setattr(evaluate, "vllm_agreement", fails)
+    args = tiny_eval_args(tiny_run_inputs, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(evaluate.EvalArgs(**{**args, "num_prompts": 1}, data=("mtbench",), max_new_tokens=4, vllm=True))
+    assert str(e.value.code) == "error: --vllm: the replay in vLLM failed: vLLM exited 1: no vLLM here"
+    assert '"results": {"mtbench"' in capsys.readouterr().out
+    assert evaluate.target_context(tiny_run_inputs[0]) == 256 and evaluate.target_context(tmp_path) is None
+
+
 @pytest.mark.parametrize("command", ["regenerate", "prompts"])
 def test_capture_generation_beyond_the_context(tmp_path, tiny_run_inputs, command):
     """--max-new-tokens 100000 on a 256-position target decoded past its context for as long as asked."""
