@@ -290,6 +290,11 @@ def check_out(out: Path):
     PermissionError traceback at the end), and so is a file of other lines than evaluate.py's results."""
     if out.is_dir():
         raise SystemExit(f"error: --out {out} is a directory; give a file name")
+    if (prov := out.with_name(out.stem + ".provenance.json")).exists():  # capture.py's output, even an empty one
+        raise SystemExit(
+            f"error: --out {out} is capture.py's output (its {prov.name} beside it), and --out is appended to: "
+            "give a new file name, or one that earlier evaluate.py runs wrote"
+        )
     if out.is_file():  # appended to: only a file of this command's result lines (a run's metrics.jsonl took one)
         try:
             with open(out, "rb") as f:

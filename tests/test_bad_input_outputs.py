@@ -427,6 +427,17 @@ def test_evaluate_out_appends_only_to_its_own_results(tmp_path):
     ours = tmp_path / "results.jsonl"
     ours.write_text(json.dumps({"draft": "d", "results": {"mtbench": {}}}) + "\n")
     evaluate.check_out(ours)  # an earlier run's results: appended to
+    # the probe: capture.py prompts' output with no prompt kept yet (empty) took a result line, which its next
+    # run would have read back as a prompt
+    (tmp_path / "p.jsonl").write_text("")
+    (tmp_path / "p.provenance.json").write_text("{}")
+    evaluate_fails(
+        tmp_path,
+        f"error: --out {tmp_path / 'p.jsonl'} is capture.py's output (its p.provenance.json beside it), and --out is "
+        "appended to: give a new file name, or one that earlier evaluate.py runs wrote",
+        out=str(tmp_path / "p.jsonl"),
+    )
+    assert (tmp_path / "p.jsonl").read_text() == ""
 
 
 def test_evaluate_resume_file_in_a_new_directory(tiny_run_inputs, tmp_path):
