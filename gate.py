@@ -181,6 +181,21 @@ def check_options(cfg: GateConfig):
             raise InputError(f"--{name.replace('_', '-')} must be a finite number {rng}, got {v}")
     if cfg.export_dtype not in ("bf16", "fp16", "fp32"):
         raise InputError(f"--export-dtype must be bf16, fp16 or fp32, got {cfg.export_dtype!r}")
+    if cfg.train_args:  # a flag train.py does not take failed stage 2 with tyro's box, after the sample stage
+        import contextlib
+        import io
+        import re
+
+        from train import TrainConfig
+
+        box = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(box), contextlib.redirect_stdout(box):
+                tyro.cli(TrainConfig, args=list(cfg.train_args))
+        except SystemExit:
+            said = re.sub(r"[│╭╰─╮╯]|-{3,}|For full helptext.*", " ", box.getvalue())
+            said = "; ".join(dict.fromkeys(x.strip() for x in said.splitlines() if x.strip()))
+            raise InputError(f"--train-args {' '.join(cfg.train_args)!r}: not train.py flags ({said[:300]})") from None
     if cfg.vllm_venv and (why := venv_problem(vllm_venv(cfg))):  # it was deleted whole before the build
         raise InputError(f"--vllm-venv: {why}")
     served = [n for n, f in FAMILIES.items() if f.serving and "vllm" in f.serving.engines]
