@@ -521,6 +521,8 @@ def main(cfg: GateConfig) -> int:
         check_options(cfg)
         if kind := output_kind(cfg.target):
             raise InputError(f"--target {cfg.target} is {kind}, not a target model (a Hugging Face model dir, a .gguf)")
+        if kind := output_kind(cfg.data):  # a checkpoint or an export was read as records: 'no valid sample'
+            raise InputError(f"--data {cfg.data} is {kind}, not chats (a ShareGPT/messages JSON or JSONL)")
         if cfg.ckpt:
             ckpt = Path(cfg.ckpt)
             sample = load_sample(Path(cfg.sample)) if cfg.sample else None

@@ -195,6 +195,12 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
         ({"export_dtype": "fp8"}, "error: --export-dtype must be bf16, fp16 or fp32, got 'fp8'"),  # after training
         ({"min_acc": 2.0}, "error: --min-acc must be a finite number in [0, 1], got 2.0"),  # could never pass
         ({"target": str(SHIPPED)}, f"error: --target {SHIPPED} is a draft export (export.py --out), not a target"),
+        # the probe: a checkpoint or an export as --data was read as records ('GATE FAILED at sample: bad record')
+        (
+            {"data": str(SHIPPED)},
+            f"error: --data {SHIPPED} is a draft export (export.py --out), not chats (a ShareGPT/messages JSON or "
+            "JSONL)",
+        ),
         # the probe: flags train.py does not take failed stage 2 with tyro's box, after the sample stage
         (
             {"train_args": ("--fc-norm", "--nope")},
