@@ -693,6 +693,11 @@ def check_prompts(cfg: "PromptsConfig"):
     for name, low in at_least.items():
         if (v := getattr(cfg, name)) < low:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+    if cfg.batch_size > MAX_PROMPT_BATCH:  # 10**12 sat allocating one batch, printing nothing more
+        raise SystemExit(
+            f"error: --batch-size must be at most {MAX_PROMPT_BATCH} (prompts sampled together, each with a cache of "
+            f"--max-new-tokens positions), got {cfg.batch_size}"
+        )
     if cfg.engine not in ("auto", "slots", "hf"):
         raise SystemExit(f"error: --engine must be auto, slots or hf, got {cfg.engine!r}")
     for name, ok, rng in (
@@ -948,6 +953,7 @@ class PromptsConfig:
     """seconds; stop cleanly before a batch would pass it (0 = none); exit 75 when it stops so"""
 
 
+MAX_PROMPT_BATCH = 1 << 16
 ALL_DROPPED_STOP = 512  # prompts: this many sampled in a row, none kept, stops the run (an error, not a hang)
 _PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 _PROMPTS_SAME_ON_RESUME += ("system", "user_prefix", "min_words", "batch_size", "engine", "dtype")

@@ -473,6 +473,11 @@ def test_gate_bad_inputs_are_one_error_line(tmp_path, tiny_run_inputs, case, cap
         ({"top_p": 0.0}, "error: --top-p must be a finite number in (0, 1], got 0.0"),
         ({"dtype": "nope"}, "error: --dtype must be auto or one of bf16, fp16, fp32, got 'nope'"),  # a KeyError
         ({"device": "nope"}, "error: --device must be auto, cpu or cuda, got 'nope'"),
+        (  # sat allocating one batch of 10**12, printing nothing more
+            {"batch_size": 10**12},
+            "error: --batch-size must be at most 65536 (prompts sampled together, each with a cache of "
+            "--max-new-tokens positions), got 1000000000000",
+        ),
     ],
 )
 def test_capture_prompts_refuses_bad_options_before_loading(tmp_path, kw, message):
