@@ -170,6 +170,13 @@ def check_options(cfg: GateConfig):
     for name, low in at_least.items():
         if (v := getattr(cfg, name)) < low:
             raise InputError(f"--{name.replace('_', '-')} must be at least {low}, got {v}")
+    if cfg.max_prompt_tokens + cfg.response_tokens > cfg.max_len:  # --response-tokens 10**12 decoded until killed
+        raise InputError(
+            f"--max-prompt-tokens {cfg.max_prompt_tokens} + --response-tokens {cfg.response_tokens} must fit --max-len "
+            f"{cfg.max_len} (the sample is one training row)"
+        )
+    if cfg.k > cfg.response_tokens:  # -k 10**12 drafted until killed
+        raise InputError(f"--k {cfg.k} drafts more tokens a step than the {cfg.response_tokens} --response-tokens")
     for name, ok, rng in (
         ("lr", lambda v: v > 0, "in (0, inf)"),
         ("max_loss", lambda v: v > 0, "in (0, inf)"),

@@ -201,6 +201,13 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
             f"error: --data {SHIPPED} is a draft export (export.py --out), not chats (a ShareGPT/messages JSON or "
             "JSONL)",
         ),
+        # the probe: both decoded or drafted until killed
+        (
+            {"response_tokens": 10**12},
+            "error: --max-prompt-tokens 64 + --response-tokens 1000000000000 must fit --max-len 256 (the sample is "
+            "one training row)",
+        ),
+        ({"k": 10**12}, "error: --k 1000000000000 drafts more tokens a step than the 48 --response-tokens"),
         # the probe: flags train.py does not take failed stage 2 with tyro's box, after the sample stage
         (
             {"train_args": ("--fc-norm", "--nope")},
