@@ -403,6 +403,13 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 
 # ---------------------------------------------------------------- stage 3
+def target_context(target: str) -> int:
+    try:
+        return int(json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 1024)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1024
+
+
 def vllm_venv(cfg: GateConfig) -> Path:
     from tools.vllm_spec import DEFAULT_VENV
 
@@ -426,7 +433,7 @@ def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_t
         "prompts": [prompt],
         "max_tokens": max_tokens,
         "dtype": "float32",
-        "max_model_len": 1024,
+        "max_model_len": min(1024, target_context(target)),  # vLLM refuses more than the target's context
         "method": method,
         "speculative_extra": extra,
     }

@@ -253,6 +253,20 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
         assert venv_problem(path) is None
 
 
+def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkeypatch):
+    """The probe: on the tiny 256-position target vLLM refused the gate's max_model_len 1024 ('GATE FAILED at
+    serve' for a draft that was never served); it is the target's context where that is smaller."""
+    import gate
+    import tools.vllm_spec
+
+    jobs = []
+    monkeypatch.setattr(tools.vllm_spec, "ensure_venv", lambda venv, log: None)
+    monkeypatch.setattr(tools.vllm_spec, "run_job", lambda job, *a, **kw: jobs.append(job) or {})
+    target, _ = tiny_run_inputs
+    gate.run_vllm(gate.GateConfig(), str(target), tmp_path, [1, 2], 4, tmp_path)
+    assert jobs[0]["max_model_len"] == 256 and gate.target_context(str(tmp_path)) == 1024
+
+
 # ---------------------------------------------------------------- capture.py
 def capture_fails(run, message: str):
     with pytest.raises(SystemExit) as e:
