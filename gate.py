@@ -175,6 +175,8 @@ def check_options(cfg: GateConfig):
             f"--max-prompt-tokens {cfg.max_prompt_tokens} + --response-tokens {cfg.response_tokens} must fit --max-len "
             f"{cfg.max_len} (the sample is one training row)"
         )
+    if cfg.vllm_timeout > 30 * 86400:  # 10**12 was an OverflowError traceback from subprocess, after stage 2
+        raise InputError(f"--vllm-timeout must be at most {30 * 86400} seconds (30 days), got {cfg.vllm_timeout}")
     if cfg.k > cfg.response_tokens:  # -k 10**12 drafted until killed
         raise InputError(f"--k {cfg.k} drafts more tokens a step than the {cfg.response_tokens} --response-tokens")
     for name, ok, rng in (

@@ -208,6 +208,10 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
             "one training row)",
         ),
         ({"k": 10**12}, "error: --k 1000000000000 drafts more tokens a step than the 48 --response-tokens"),
+        (
+            {"vllm_timeout": 10**12},
+            "error: --vllm-timeout must be at most 2592000 seconds (30 days), got 1000000000000",
+        ),
         # the probe: flags train.py does not take failed stage 2 with tyro's box, after the sample stage
         (
             {"train_args": ("--fc-norm", "--nope")},
