@@ -34,12 +34,12 @@ from models.engines import (
     aux_layers_from_engine,
     cast,
     engine_aux_ids,
-    read_rope,
     speculators_ids,
     target_rope,
     target_tokens,
 )
 from models.family import Serving
+from models.layers import rope_parameters
 
 DFLASH, DSPARK = "DFlashDraftModel", "Qwen3DSparkModel"  # vLLM's classes
 IDS = "aux_hidden_state_layer_ids"  # speculators' key (vLLM ids); vLLM's own dir names ours under dflash_config
@@ -123,7 +123,7 @@ class BlockServing(Serving):
             num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg["head_dim"],
             rms_norm_eps=cfg["rms_norm_eps"],
-            rope_parameters=read_rope(cfg),
+            rope_parameters=rope_parameters(cfg),
             max_position_embeddings=cfg["max_position_embeddings"],
             vocab_size=cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),

@@ -42,7 +42,7 @@ from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
 from models.block_serving import DFLASH, BlockServing
 from models.family import PARALLEL_ATTENTIONS, Family, generator, parallel_attention, parallel_auto, pick_mask_token
-from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.layers import MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.proposer import Proposer, Tree, verified_depth
 
 OBJECTIVES = ("ce", "dpace")
@@ -70,25 +70,10 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, tc, aux_layers, block_size: int, mask_token_id: int, num_layers: int = 1, **extra):
         """Layers shaped like the target's (the DFlash recipe), a block of block_size slots."""
-        from models.eagle3 import Eagle3Config
-
-        e = Eagle3Config.from_target(tc, tc.vocab_size, aux_layers)
-        keep = (
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "rms_norm_eps",
-            "rope_parameters",
-            "max_position_embeddings",
-            "vocab_size",
-            "target_hidden_size",
-            "aux_layers",
-            "hidden_act",
-        )
         return cls(
-            **{k: getattr(e, k) for k in keep},
+            **layer_shape(tc),
+            target_hidden_size=tc.hidden_size,
+            aux_layers=list(aux_layers),
             num_layers=num_layers,
             block_size=block_size,
             mask_token_id=mask_token_id,

@@ -52,7 +52,7 @@ from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 from models.eagle_serving import EagleServing
 from models.family import Family, with_vocab
-from models.layers import MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.layers import MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
 from models.moe import MoEMLP
 from models.proposer import Proposer, Tree
 
@@ -106,24 +106,11 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, tc, draft_vocab_size: int, aux_layers: list[int], **options) -> "Eagle3Config":
         """A draft shaped like one layer of the target (the EAGLE-3 recipe)."""
-        rope = dict(getattr(tc, "rope_parameters", None) or {})
-        if not rope:  # transformers 4.x style configs
-            rope = {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
-            rope.update(getattr(tc, "rope_scaling", None) or {})
         return cls(
-            hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
-            num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=tc.num_key_value_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-            rms_norm_eps=tc.rms_norm_eps,
-            rope_parameters=rope,
-            max_position_embeddings=tc.max_position_embeddings,
-            vocab_size=tc.vocab_size,
+            **layer_shape(tc),
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=tc.hidden_size,
             aux_layers=list(aux_layers),
-            hidden_act=getattr(tc, "hidden_act", "silu"),
             **options,
         )
 

@@ -38,12 +38,12 @@ from models.engines import (
     cast,
     default_ids,
     engine_aux_ids,
-    read_rope,
     speculators_ids,
     target_rope,
     target_tokens,
 )
 from models.family import Serving
+from models.layers import rope_parameters
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 IDS = "eagle_aux_hidden_state_layer_ids"
@@ -214,7 +214,7 @@ class EagleServing(Serving):
                 num_key_value_heads=cfg["num_key_value_heads"],
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
                 rms_norm_eps=cfg["rms_norm_eps"],
-                rope_parameters=read_rope(cfg),
+                rope_parameters=rope_parameters(cfg),
                 max_position_embeddings=cfg["max_position_embeddings"],
                 vocab_size=cfg["vocab_size"],
                 draft_vocab_size=cfg["draft_vocab_size"],

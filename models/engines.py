@@ -85,15 +85,6 @@ def target_tokens(target_config: dict) -> dict:
     return {k: target_config[k] for k in TOKEN_FIELDS if k in target_config}
 
 
-def read_rope(cfg: dict) -> dict:
-    """A serving config.json's rope as our configs hold it (`rope_parameters`; older configs: rope_theta
-    + rope_scaling)."""
-    return dict(
-        cfg.get("rope_parameters")
-        or {"rope_type": "default", "rope_theta": cfg["rope_theta"], **(cfg.get("rope_scaling") or {})}
-    )
-
-
 def cast(sd: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Floating tensors in the serving dtype, the rest (d2t, t2d) as they are; contiguous for safetensors."""
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}

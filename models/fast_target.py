@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
-from models.layers import LOCAL_ROPE, MLP, RMSNorm, apply_rope, merge_heads, rope_cos_sin, rope_inv_freq
+from models.layers import LOCAL_ROPE, MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq
 from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -171,26 +171,17 @@ class TargetConfig:
             raise NotImplementedError("compiled backend: only silu MLPs without biases")
         if d.get("use_sliding_window") and kind != "llama":
             raise NotImplementedError("compiled backend: sliding-window attention is not implemented")
-        rope = dict(d.get("rope_parameters") or {})
-        if not rope:  # config.json style: rope_theta + rope_scaling
-            rope = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0), **(d.get("rope_scaling") or {})}
+        shape = layer_shape(d)
+        del shape["hidden_act"]  # silu, checked above
+        rope = shape["rope_parameters"]
         rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise NotImplementedError("compiled backend: partial rotary embeddings")
-        heads = d["num_attention_heads"]
         bias = bool(d.get("attention_bias", False))
         return cls(
             model_type=kind,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
+            **shape,
             num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d["rms_norm_eps"],
-            rope_parameters=rope,
-            max_position_embeddings=d["max_position_embeddings"],
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bias,
             o_bias=kind != "qwen2" and bias,

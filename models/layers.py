@@ -12,6 +12,43 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _fields(cfg):
+    """(need, get) over an HF config object or a config.json dict: `need` raises for a missing key."""
+    if isinstance(cfg, dict):
+        return cfg.__getitem__, cfg.get
+    return (lambda k: getattr(cfg, k)), (lambda k, default=None: getattr(cfg, k, default))
+
+
+def rope_parameters(cfg) -> dict:
+    """A config's rope as our configs hold it (`rope_parameters`), from an HF config or a config.json dict;
+    older ones (transformers 4.x and the files it wrote) have rope_theta + rope_scaling instead."""
+    _, get = _fields(cfg)
+    rope = get("rope_parameters")
+    return dict(
+        rope or {"rope_type": "default", "rope_theta": get("rope_theta", 10000.0), **(get("rope_scaling") or {})}
+    )
+
+
+def layer_shape(cfg) -> dict:
+    """One decoder layer shaped like the target's (the EAGLE-3 and DFlash drafts, the compiled target), from its
+    HF config or config.json dict: sizes, heads (kv heads and head_dim derived where a config omits them), norm
+    eps, rope, context, vocabulary and activation. The one place these are read from a target's config."""
+    need, get = _fields(cfg)
+    heads = need("num_attention_heads")
+    return {
+        "hidden_size": need("hidden_size"),
+        "intermediate_size": need("intermediate_size"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("num_key_value_heads") or heads,
+        "head_dim": get("head_dim") or need("hidden_size") // heads,
+        "rms_norm_eps": need("rms_norm_eps"),
+        "rope_parameters": rope_parameters(cfg),
+        "max_position_embeddings": need("max_position_embeddings"),
+        "vocab_size": need("vocab_size"),
+        "hidden_act": get("hidden_act") or "silu",
+    }
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, in transformers' order of casts: the statistics in fp32, the
     normed x cast back to x's dtype, *then* scaled by the weight (so bf16 outputs match HF's

@@ -302,3 +302,31 @@ def test_backend_auto_picks_compiled_on_gpu_where_it_builds(tmp_path):
     (bins / "config.json").write_text((llama / "config.json").read_text())
     backend, why = pick_backend(bins, "cuda")
     assert backend == "hf" and "no .safetensors" in why
+
+
+def test_layer_shape_reads_an_hf_config_and_its_json_alike():
+    """models/layers.layer_shape is the one reader of a target layer's shape (the EAGLE-3 and DFlash drafts, the
+    compiled target): an HF config and its config.json dict give the same fields; kv heads and head_dim are
+    derived where a config omits them; an old-style rope (rope_theta + rope_scaling) reads as rope_parameters."""
+    from models.dflash import DFlashConfig
+    from models.eagle3 import Eagle3Config
+    from models.layers import layer_shape, rope_parameters
+    from tests.tiny import tiny_llama
+
+    hf = tiny_llama(seed=0)
+    d = hf.config.to_dict()
+    assert layer_shape(hf.config) == layer_shape(d)
+    shape = layer_shape(d)
+    assert shape["head_dim"] == hf.config.head_dim and shape["num_key_value_heads"] == hf.config.num_key_value_heads
+    e = Eagle3Config.from_target(hf.config, 64, [0, 1, 2])
+    b = DFlashConfig.from_target(hf.config, [0, 1, 2], 4, 1)
+    assert all(getattr(e, k) == v == getattr(b, k) for k, v in shape.items())
+    assert TargetConfig.from_dict(d).head_dim == shape["head_dim"]
+    bare = {k: v for k, v in d.items() if k not in ("head_dim", "num_key_value_heads", "rope_parameters")}
+    bare |= {"rope_theta": 5e5, "rope_scaling": {"factor": 8.0}}
+    s = layer_shape(bare)
+    assert s["num_key_value_heads"] == d["num_attention_heads"]
+    assert s["head_dim"] == d["hidden_size"] // d["num_attention_heads"]
+    assert s["rope_parameters"] == rope_parameters(bare) == {"rope_type": "default", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(KeyError):
+        layer_shape({k: v for k, v in d.items() if k != "hidden_size"})
