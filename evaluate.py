@@ -522,6 +522,10 @@ def main(a: EvalArgs) -> dict:
         result["vllm"] = {}
         with tempfile.TemporaryDirectory() as tmp:
             for k, turns in replay.items():
+                print(
+                    f"[vllm] chain{k}: replaying {len(turns)} turns in vLLM (its start takes minutes on a CPU)",
+                    flush=True,
+                )
                 try:
                     agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
                 except VllmError as e:  # was a traceback, after every dataset had been decoded: print those first

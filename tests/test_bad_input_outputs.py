@@ -545,7 +545,8 @@ def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monk
     with pytest.raises(SystemExit) as e:
         evaluate.main(evaluate.EvalArgs(**{**args, "num_prompts": 1}, data=("mtbench",), max_new_tokens=4, vllm=True))
     assert str(e.value.code) == "error: --vllm: the replay in vLLM failed: vLLM exited 1: no vLLM here"
-    assert '"results": {"mtbench"' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert '"results": {"mtbench"' in printed and "[vllm] chain3: replaying 2 turns in vLLM" in printed
     assert evaluate.target_context(tiny_run_inputs[0]) == 256 and evaluate.target_context(tmp_path) is None
 
 
