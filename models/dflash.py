@@ -42,7 +42,17 @@ from kernels.ce import hard_cross_entropy
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
 from models.block_serving import DFLASH, BlockServing
 from models.family import PARALLEL_ATTENTIONS, Family, generator, parallel_attention, parallel_auto, pick_mask_token
-from models.layers import MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.layers import (
+    MLP,
+    Projections,
+    RMSNorm,
+    apply_rope,
+    layer_shape,
+    merge_heads,
+    rope_cos_sin,
+    rope_inv_freq,
+    split_heads,
+)
 from models.proposer import Proposer, Tree, verified_depth
 
 OBJECTIVES = ("ce", "dpace")
@@ -84,17 +94,12 @@ class DFlashConfig:
         return asdict(self)
 
 
-class BlockAttention(nn.Module):
+class BlockAttention(Projections):
     def __init__(self, c: DFlashConfig):
-        super().__init__()
-        H, D = c.hidden_size, c.head_dim
-        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, D
-        self.q_proj = nn.Linear(H, self.n_heads * D, bias=False)
-        self.k_proj = nn.Linear(H, self.n_kv * D, bias=False)
-        self.v_proj = nn.Linear(H, self.n_kv * D, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
-        self.q_norm = RMSNorm(D, c.rms_norm_eps)
-        self.k_norm = RMSNorm(D, c.rms_norm_eps)
+        super().__init__(c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def kv(self, x_BTH, cos, sin):
         """k (k_norm + rope), v [B, Hkv, T, D] of the context or of block tokens."""

@@ -52,7 +52,17 @@ from kernels.fused_ce import fused_linear_soft_ce
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 from models.eagle_serving import EagleServing
 from models.family import Family, with_vocab
-from models.layers import MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq, split_heads
+from models.layers import (
+    MLP,
+    Projections,
+    RMSNorm,
+    apply_rope,
+    layer_shape,
+    merge_heads,
+    rope_cos_sin,
+    rope_inv_freq,
+    split_heads,
+)
 from models.moe import MoEMLP
 from models.proposer import Proposer, Tree
 
@@ -118,15 +128,10 @@ class Eagle3Config:
         return asdict(self)
 
 
-class Attention(nn.Module):
+class Attention(Projections):
     def __init__(self, c: Eagle3Config):
-        super().__init__()
-        H, D = c.hidden_size, c.head_dim
-        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, D
-        self.q_proj = nn.Linear(2 * H, self.n_heads * D, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.n_kv * D, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.n_kv * D, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * D, H, bias=False)
+        super().__init__(2 * c.hidden_size, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
 
 
 class MidLayer(nn.Module):

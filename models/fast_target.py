@@ -45,7 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
-from models.layers import LOCAL_ROPE, MLP, RMSNorm, apply_rope, layer_shape, merge_heads, rope_cos_sin, rope_inv_freq
+from models.layers import (
+    LOCAL_ROPE,
+    MLP,
+    Projections,
+    RMSNorm,
+    apply_rope,
+    layer_shape,
+    merge_heads,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -240,15 +250,12 @@ def dense_attention_mask(block_mask) -> torch.Tensor:
     return m | (~m.any(-1, keepdim=True) & eye)
 
 
-class Attention(nn.Module):
+class Attention(Projections):
+    """Under --tp, q / k / v are column-parallel and o row-parallel: head counts are read from the shapes."""
+
     def __init__(self, c: TargetConfig):
-        super().__init__()
         H, D = c.hidden_size, c.head_dim
-        self.head_dim = D
-        self.q_proj = nn.Linear(H, c.num_attention_heads * D, bias=c.qkv_bias)  # column-parallel
-        self.k_proj = nn.Linear(H, c.num_key_value_heads * D, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(H, c.num_key_value_heads * D, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * D, H, bias=c.o_bias)  # row-parallel
+        super().__init__(H, H, c.num_attention_heads, c.num_key_value_heads, D, c.qkv_bias, c.o_bias)
         self.q_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(D, c.rms_norm_eps) if c.qk_norm else None
 

@@ -64,6 +64,20 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+class Projections(nn.Module):
+    """The q / k / v / o projections of a grouped-query attention, named as in HF's layers (checkpoints load by
+    the names): q [d_in -> Hq*D], k and v [d_in -> Hkv*D], o [Hq*D -> H]. EAGLE-3's layer reads d_in = 2H
+    (embeddings and fused hidden states side by side); the block drafts and the compiled target read H."""
+
+    def __init__(self, d_in: int, hidden: int, n_heads: int, n_kv: int, head_dim: int, qkv_bias=False, o_bias=False):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(d_in, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_in, n_kv * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_in, n_kv * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=o_bias)
+
+
 class MLP(nn.Module):
     """SwiGLU MLP [.., hidden] -> [.., hidden]: down(silu(gate(x)) * up(x)), no biases (Llama /
     Qwen; also one expert of models/moe.py's MoEMLP)."""
