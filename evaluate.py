@@ -31,6 +31,7 @@ import tyro
 
 from data.benchmarks import DATASETS, load_prompts
 from data.vocab import coverage_rows
+from distributed import DTYPES
 from models.families import FAMILIES
 from models.proposer import Proposer
 from speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
@@ -395,7 +396,7 @@ def main(a: EvalArgs) -> dict:
         check_out(Path(a.out))
     if a.threads:
         torch.set_num_threads(a.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     try:
         draft, recorded = open_draft(a.draft)
     except (ExportError, FileNotFoundError) as e:

@@ -48,14 +48,13 @@ from typing import Literal
 import torch
 import tyro
 
+from distributed import DTYPES
 from models.engines import ENGINES, ROPE_FIELDS, ExportError
 from models.engines import engine_aux_ids as engine_aux_ids  # re-exported: tools and tests import it from here
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.family import Family
 from runlog import RUN_FILES, clear_previous_run, previous_run, write_checkpoint
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 # ---- training checkpoints ----
