@@ -150,6 +150,29 @@ def dump_yaml(cfg, path):
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))
 
 
+def to_flags(cfg, default=None) -> list[str]:
+    """The command-line flags that give `cfg` (a config dataclass, as `cli` reads it) from its class's defaults
+    (or `default`): one flag per field that differs, nested dataclasses flattened as their flags are
+    (OmitArgPrefixes), bools as --name / --no-name, tuples as their items. Scripts that start train.py build its
+    command from a TrainConfig this way, so a misspelled or stale option is a TypeError, not a flag train.py
+    refuses minutes later."""
+    default = type(cfg)() if default is None else default
+    out = []
+    for f in dataclasses.fields(cfg):
+        v, d = getattr(cfg, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(v):
+            out += to_flags(v, d)
+        elif v != d:
+            name = "--" + f.name.replace("_", "-")
+            if isinstance(v, bool):
+                out.append(name if v else "--no-" + name[2:])
+            elif isinstance(v, (tuple, list)):
+                out += [name, *map(str, v)]
+            else:
+                out += [name, str(v)]
+    return out
+
+
 def cli(cls, args=None):
     """tyro over `cls`, with `--config FILE.yaml` giving the defaults that flags override."""
     args = list(sys.argv[1:] if args is None else args)

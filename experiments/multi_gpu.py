@@ -49,6 +49,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config import to_flags  # noqa: E402
+from train import TrainConfig  # noqa: E402
+
 PHASES = ("tests", "parity", "dp", "disagg", "tp")
 WORK = Path(os.environ.get("MULTI_GPU_WORK", "/tmp/multi_gpu"))  # targets, train.py runs, pipeline store
 TOK = ROOT / ".stage" / "tok"  # SmolLM2's tokenizer and chat template (the random targets' tokenizer)
@@ -310,44 +313,27 @@ def train_flags(
     """The options every timed run shares: compiled target backend, (on GPU) the compiled draft step,
     the packaged chats (enough records for `steps` global batches), no held-out evaluation (--holdout 0:
     the eager evaluation's own compiles and forwards would only cost wall time)."""
-    records = max(200, 2 * steps * batch)
-    flags = [
-        "--target",
-        str(target),
-        "--backend",
-        "compiled",
-        "--data",
-        args.data,
-        "--num-records",
-        str(records),
-        "--holdout",
-        "0",
-        "--max-len",
-        str(seq),
-        "--ttt-length",
-        str(ttt),
-        "--batch-size",
-        str(batch),
-        "--steps",
-        str(steps),
-        "--warmup",
-        "2",
-        "--lr",
-        str(lr),
-        "--draft-vocab-size",
-        str(draft_vocab),
-        "--log-every",
-        "1",
-        "--no-progress",
-        "--out",
-        str(out),
-        "--overwrite",
-    ]
-    if args.compile:
-        flags.append("--compile")
-    else:
-        flags.append("--pad-to-max-len")  # the same row shapes as --compile
-    return flags + args.train_args.split()
+    cfg = TrainConfig(
+        target=str(target),
+        backend="compiled",
+        data=args.data,
+        num_records=max(200, 2 * steps * batch),
+        holdout=0,
+        max_len=seq,
+        ttt_length=ttt,
+        batch_size=batch,
+        steps=steps,
+        warmup=2,
+        lr=lr,
+        draft_vocab_size=draft_vocab,
+        log_every=1,
+        progress=False,
+        out=str(out),
+        overwrite=True,
+        compile=args.compile,
+        pad_to_max_len=not args.compile,  # the same row shapes as --compile
+    )
+    return to_flags(cfg) + args.train_args.split()
 
 
 def read_run(out: Path) -> tuple[list[dict], dict]:

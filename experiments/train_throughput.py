@@ -38,6 +38,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config import to_flags  # noqa: E402
+from train import TrainConfig  # noqa: E402
+
 
 @dataclasses.dataclass
 class Args:
@@ -155,30 +158,40 @@ def harness_row(a: Args, log: Path) -> dict:
     }
 
 
-MODES = {
-    "pack": ["--pack", "on"],
-    "compile": ["--compile", "--pack", "off"],
-    "pack-compile": ["--compile", "--pack", "on"],
+MODES = {  # train.py's options per mode (TrainConfig fields)
+    "pack": {"pack": "on"},
+    "compile": {"compile": True, "pack": "off"},
+    "pack-compile": {"compile": True, "pack": "on"},
     # the harness's own shape: --batch-tokens = --harness-batch rows of --max-len, filled first-fit (TokenBatches)
-    "tokens": ["--pack", "on"],
-    "tokens-compile": ["--compile", "--pack", "on"],
+    "tokens": {"pack": "on"},
+    "tokens-compile": {"compile": True, "pack": "on"},
 }
 
 
 def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
     out = a.work / f"run_{mode}"
-    cmd = [sys.executable, "train.py", "--target", target, "--data", a.data, "--num-records", str(a.num_records)]
-    cmd += ["--max-len", str(a.max_len), "--batch-size", str(a.batch_size), "--steps", str(a.steps)]
-    cmd += ["--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size), "--holdout", "8"]
-    cmd += ["--log-every", str(a.log_every), "--out", str(out), "--overwrite", *MODES[mode]]
+    cfg = TrainConfig(
+        target=target,
+        data=a.data,
+        num_records=a.num_records,
+        max_len=a.max_len,
+        batch_size=a.batch_size,
+        steps=a.steps,
+        ttt_length=a.ttt_length,
+        draft_vocab_size=a.draft_vocab_size,
+        holdout=8,
+        log_every=a.log_every,
+        out=str(out),
+        overwrite=True,
+        backend="auto" if a.smoke else "compiled",
+        **MODES[mode],
+    )
     env = None
     if mode.startswith("tokens"):
-        cmd += ["--batch-tokens", str(a.harness_batch * a.max_len)]
+        cfg = dataclasses.replace(cfg, batch_tokens=a.harness_batch * a.max_len)
         if mode == "tokens-compile":  # past train.packing_blocker's GPU guard: this run is the measurement
             env = {**os.environ, "NANOSPEC_TRY_PACK_COMPILE": "1"}
-    if not a.smoke:
-        cmd += ["--backend", "compiled"]
-    cmd += list(a.extra)
+    cmd = [sys.executable, "train.py", *to_flags(cfg), *a.extra]
     t = time.time()
     run(cmd, log, env)
     return {

@@ -290,3 +290,31 @@ def test_train_throughput_takes_the_ratio_from_an_earlier_call(tmp_path):
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert earlier_harness(out, common)["real_tokens_per_s"] == 2.0
     assert earlier_harness(out, {**common, "ttt": 9}) is None
+
+
+def test_train_flags_come_from_train_config():
+    """config.to_flags: the flags that give a TrainConfig (what experiment scripts start train.py with) read back
+    as that config through train.py's own CLI; multi_gpu.py builds its runs' flags so."""
+    from types import SimpleNamespace
+
+    from config import cli, to_flags
+    from experiments.multi_gpu import train_flags
+    from train import DeployConfig, TrainConfig
+
+    cfg = TrainConfig(
+        steps=3,
+        lr=1e-4,
+        aux_layers=(1, 4, 7),
+        compile=True,
+        eval_at_start=False,
+        deploy=DeployConfig(producers=2, lease_timeout=5.0),
+    )
+    f = to_flags(cfg)
+    assert "--no-eval-at-start" in f and "--producers" in f and "--aux-layers" in f
+    assert cli(TrainConfig, f) == cfg and to_flags(TrainConfig()) == []
+    args = SimpleNamespace(data="sharegpt-greedy", compile=False, train_args="--attention eager")
+    f = train_flags(args, "/t", "/o", 8, seq=64, ttt=3, steps=4)
+    got = cli(TrainConfig, f)
+    assert (got.target, got.out, got.batch_size, got.max_len, got.ttt_length, got.steps) == ("/t", "/o", 8, 64, 3, 4)
+    assert got.pad_to_max_len and not got.compile and not got.progress and got.overwrite and got.holdout == 0
+    assert got.backend == "compiled" and got.attention == "eager" and got.num_records == 200
