@@ -441,6 +441,10 @@ def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_t
     }
     try:
         ensure_venv(venv, log)
+        log(
+            f"stage 3 vLLM: serving the draft (K={cfg.k}; the engine's start takes minutes on a CPU), "
+            f"log {out / 'vllm.log'}"
+        )
         return run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
     except VllmError as e:
         raise GateFailure("serve", str(e)) from None

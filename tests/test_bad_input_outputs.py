@@ -257,7 +257,7 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
         assert venv_problem(path) is None
 
 
-def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkeypatch):
+def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     """The probe: on the tiny 256-position target vLLM refused the gate's max_model_len 1024 ('GATE FAILED at
     serve' for a draft that was never served); it is the target's context where that is smaller."""
     import gate
@@ -269,6 +269,7 @@ def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkey
     target, _ = tiny_run_inputs
     gate.run_vllm(gate.GateConfig(), str(target), tmp_path, [1, 2], 4, tmp_path)
     assert jobs[0]["max_model_len"] == 256 and gate.target_context(str(tmp_path)) == 1024
+    assert "[gate] stage 3 vLLM: serving the draft (K=3; the engine's start takes minutes" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- capture.py
