@@ -486,7 +486,9 @@ def check_inputs(cfg: TrainConfig):
         raise ConfigError("--out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)")
     out = Path(cfg.out)
     if out.is_dir() and not kind and not previous_run(out):  # e.g. the target's folder, `--out .`, `--out runs`
+        # a log is allowed: `mkdir runs/x && python train.py --out runs/x > runs/x/train.log` is how runs are logged
         found = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "pipeline")
+        found = [n for n in found if not n.endswith(".log")]
         if found:
             shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
             raise ConfigError(

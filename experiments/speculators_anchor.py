@@ -54,7 +54,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from config import to_flags  # noqa: E402
 from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
+from train import TrainConfig  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -289,10 +291,23 @@ def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]
 
 def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
     out = a.work / "nanospec_run"
-    cmd = [sys.executable, "train.py", "--target", str(verifier), "--features", str(store), "--max-len", str(a.max_len)]
-    cmd += ["--pack", "on", "--ttt-length", str(a.ttt_length), "--draft-vocab-size", str(a.draft_vocab_size)]
-    cmd += ["--batch-size", str(batch), "--steps", str(a.steps), "--log-every", str(a.log_every), "--lr", str(a.lr)]
-    cmd += ["--holdout", "8", "--out", str(out), "--overwrite", "--no-progress"]
+    cfg = TrainConfig(
+        target=str(verifier),
+        features=str(store),
+        max_len=a.max_len,
+        pack="on",
+        ttt_length=a.ttt_length,
+        draft_vocab_size=a.draft_vocab_size,
+        batch_size=batch,
+        steps=a.steps,
+        log_every=a.log_every,
+        lr=a.lr,
+        holdout=8,
+        out=str(out),
+        overwrite=True,
+        progress=False,
+    )
+    cmd = [sys.executable, "train.py", *to_flags(cfg)]
     cmd += [w for x in a.our_extra for w in x.split()]
     t = time.time()
     run(cmd, a.work / "nanospec.log")

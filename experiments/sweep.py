@@ -220,48 +220,34 @@ class Sweep:
         return self.a.seeds
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
-        from models.families import family_of
+        from config import to_flags
+        from models.families import family_of  # these import torch: only when a run is built
+        from train import TrainConfig
 
         a, strategy = self.a, "eagle3"
         if "--strategy" in setting_args:
             i = setting_args.index("--strategy")
             strategy, setting_args = setting_args[i + 1], setting_args[:i] + setting_args[i + 2 :]
-        vocab = ["--draft-vocab-size", str(a.draft_vocab_size)] if family_of(strategy).draft_vocab else []
-        cmd = [
-            sys.executable,
-            "train.py",
-            "--strategy",
-            strategy,
-            "--target",
-            a.target,
-            "--data",
-            a.data,
-            "--num-records",
-            str(a.num_records),
-            "--max-len",
-            str(a.max_len),
-            "--batch-size",
-            str(a.batch_size),
-            "--steps",
-            str(a.steps),
-            "--lr",
-            str(a.lr),
-            "--holdout",
-            str(a.holdout),
-            *vocab,
-            "--ttt-length",
-            str(a.ttt_length),
-            "--seed",
-            str(seed),
-            "--device",
-            a.device,
-            "--out",
-            str(run),
-            "--no-progress",
-            "--overwrite",
-            *shlex.split(a.train_args),
-            *setting_args,
-        ]  # an unfinished run (no eval_end) starts again
+        vocab = {"draft_vocab_size": a.draft_vocab_size} if family_of(strategy).draft_vocab else {}
+        cfg = TrainConfig(
+            strategy=strategy,
+            target=a.target,
+            data=a.data,
+            num_records=a.num_records,
+            max_len=a.max_len,
+            batch_size=a.batch_size,
+            steps=a.steps,
+            lr=a.lr,
+            holdout=a.holdout,
+            **vocab,
+            ttt_length=a.ttt_length,
+            seed=seed,
+            device=a.device,
+            out=str(run),
+            progress=False,
+            overwrite=True,
+        )  # an unfinished run (no eval_end) starts again
+        cmd = [sys.executable, "train.py", *to_flags(cfg), *shlex.split(a.train_args), *setting_args]
         return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
 
     def eval_cmd(self, run: Path) -> list[str]:
@@ -327,7 +313,6 @@ class Sweep:
                 if not train_finished(run):
                     run.mkdir(parents=True, exist_ok=True)
                     print(f"[{self.study}] train {s} seed {seed}: {run}", flush=True)
-                    (run / "sweep.json").write_text(json.dumps({"parallel": a.parallel}))  # how many shared the GPU
                     job["log"] = open(run / "train.log", "w")
                     job["proc"] = subprocess.Popen(cmd, cwd=ROOT, stdout=job["log"], stderr=subprocess.STDOUT, env=env)
                 training.append(job)
@@ -345,6 +330,8 @@ class Sweep:
                         failed += 1
                         continue
                     durations.append(time.time() - job["t0"])
+                    # how many shared the GPU (written once train.py is done: it refuses an --out of other files)
+                    (job["run"] / "sweep.json").write_text(json.dumps({"parallel": a.parallel}))
                 trained.append(job)
             # evaluations wait until no training runs (unless --overlap-eval of one GPU training with CPU
             # evaluation): seen on the H200, batch-1 decoding beside 12 trainings finished no evaluation in 7

@@ -125,6 +125,20 @@ def test_train_out_that_holds_other_files(tmp_path, tiny_run_inputs, monkeypatch
     assert not out or snapshot(Path(out)) == before
 
 
+def test_train_out_holding_only_its_log_is_taken(tmp_path, tiny_run_inputs):
+    """`mkdir runs/x && python train.py --out runs/x > runs/x/train.log` (and experiments/sweep.py's runs): the
+    shell makes the log before train.py starts; a directory of nothing else is not somebody's files."""
+    import train
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.log").write_text("")
+    train.check_inputs(cfg_of(*tiny_run_inputs, out))  # no ConfigError
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(train.ConfigError, match="holds files no run wrote \\(notes.txt\\)"):
+        train.check_inputs(cfg_of(*tiny_run_inputs, out))
+
+
 # ---------------------------------------------------------------- gate.py
 def gate_fails(capsys, message: str, **kw) -> str:
     import gate
