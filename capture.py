@@ -35,7 +35,7 @@ import socket
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from data.datasets import DEFAULT_DATA, SHAREGPT, build_examples, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
 from distributed import all_sum, barrier, destroy, init_distributed, pick_device
 from features import BACKENDS, capture_examples, load_target, target_identity
-from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target
+from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, past_context, resolve_target, target_context
 from runlog import git_commit, hardware, output_kind, run_metadata, versions
 from tools.vllm_features import vllm_target
 
@@ -183,6 +183,7 @@ def features(cfg: FeaturesConfig) -> dict:
             resolve_target(cfg.target)  # a GGUF is converted once, by rank 0
         barrier()
         target_dir = resolve_target(cfg.target)
+        check_context(target_dir, cfg.max_len, "--max-len")  # a stored row is one target forward
         tokenizer = load_tokenizer(target_dir)
         stats = Counter()
         records = load_records(cfg.data, cfg.num_records or None)
@@ -674,17 +675,10 @@ def check_regen(cfg: RegenConfig):
 
 
 def check_context(target_dir: Path, tokens: int, what: str):
-    """A generation length past the target's context (max_position_embeddings), refused before it loads: the hf
-    engine decoded past it for as long as asked, the slots engine sized every slot's KV cache by it."""
-    try:
-        ctx = json.loads((target_dir / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):  # (resolve_target has read it: not expected)
-        return
-    if isinstance(ctx, int) and tokens > ctx:
-        raise SystemExit(
-            f"error: {what} ({tokens}) does not fit the target's context of {ctx} tokens (max_position_embeddings in "
-            f"{target_dir / 'config.json'})"
-        )
+    """A generation length past the target's context, refused before it loads: the hf engine decoded past it for
+    as long as asked, the slots engine sized every slot's KV cache by it."""
+    if why := past_context(target_dir, tokens, what):
+        raise SystemExit("error: " + why)
 
 
 def check_prompts(cfg: "PromptsConfig"):
@@ -721,6 +715,20 @@ def regenerate(cfg: RegenConfig) -> dict:
     device = torch.device(kind)
     target_dir = resolve_target(cfg.target)
     check_context(target_dir, cfg.max_new_tokens, "--max-new-tokens")
+    if (ctx := target_context(target_dir)) and cfg.max_prompt_len + cfg.max_new_tokens > ctx:
+        # a prompt and its reply share the context: past it the target decodes positions it never saw
+        if (fit := ctx - cfg.max_new_tokens) < 1:
+            raise SystemExit(
+                f"error: --max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the "
+                f"target's context of {ctx} tokens"
+            )
+        print(
+            f"[regen] prompts up to {fit} tokens: the target's context ({ctx}) less --max-new-tokens "
+            f"({cfg.max_new_tokens}), under --max-prompt-len {cfg.max_prompt_len}; a longer turn ends its "
+            "conversation there (prompt_too_long)",
+            flush=True,
+        )
+        cfg = replace(cfg, max_prompt_len=fit)
     tokenizer = load_tokenizer(target_dir)
     records = load_records(cfg.data, cfg.num_records or None)
     if not records:  # e.g. a prompts file that an earlier step left empty: say so instead of "complete"

@@ -53,7 +53,7 @@ from features import BACKENDS, batch_features, load_target, open_for_training, p
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.layers import param_count
 from models.moe import MoESizeError
-from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, resolve_target
+from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, past_context, resolve_target
 from optim import MuonAdamW, muon_groups
 from runlog import (
     RUN_FILES,
@@ -637,6 +637,8 @@ class Trainer:
                 raise SystemExit(
                     f"--tp {cfg.tp} needs the compiled target: {why or 'hf on CPU'}; pass --backend compiled"
                 )
+        if not cfg.features and (why := past_context(target_dir, cfg.max_len, "--max-len")):  # (a store: its own)
+            raise ConfigError(f"{why}: a longer conversation would run the target past it; pass a smaller --max-len")
         V = target_vocab_size(target_dir)
         if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
             raise ConfigError(

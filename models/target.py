@@ -113,6 +113,28 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def target_context(target_dir: Path) -> int | None:
+    """The target's context: its config.json's max_position_embeddings (or its text_config's), None if it names none."""
+    try:
+        c = json.loads((Path(target_dir) / "config.json").read_text())
+        ctx = c.get("max_position_embeddings") or (c.get("text_config") or {}).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):  # resolve_target has read it: not expected
+        return None
+    return ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
+
+
+def past_context(target_dir: Path, tokens: int, what: str) -> str:
+    """Why `tokens` (a row, a prompt plus its reply) do not fit the target's context (its config.json's
+    max_position_embeddings, or its text_config's), "" when they do or the config names none: past it the target
+    runs positions it was never trained on, and its hidden states are no longer what a draft should learn."""
+    if (ctx := target_context(target_dir)) and tokens > ctx:
+        return (
+            f"{what} ({tokens}) does not fit the target's context of {ctx} tokens (max_position_embeddings in "
+            f"{Path(target_dir) / 'config.json'})"
+        )
+    return ""
+
+
 def resolve_target(spec: str) -> Path:
     """'smollm2' | path/to/model.gguf | HF model directory  ->  HF directory with safetensors.
 

@@ -156,6 +156,20 @@ def test_draft_vocab_larger_than_target_vocab(tmp_path, tiny_run_inputs):
     assert not (tmp_path / "out" / "run.json").exists()
 
 
+def test_max_len_past_the_target_context(tmp_path, tiny_run_inputs):
+    """The probe: --max-len beyond the target's context (the tiny target has 256 positions) was accepted, and a long
+    conversation ran the target past it; train.py and capture.py features refuse it once the target is found."""
+    from capture import FeaturesConfig, features
+
+    target, data = tiny_run_inputs
+    p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1", "--max-len", "300"], check=False)
+    failed(p, "--max-len (300) does not fit the target's context of 256 tokens (max_position_embeddings in")
+    assert not (tmp_path / "out" / "run.json").exists()
+    with pytest.raises(SystemExit, match="error: --max-len \\(300\\) does not fit the target's context of 256"):
+        features(FeaturesConfig(target=str(target), data=str(data), out=str(tmp_path / "s"), max_len=300))
+    assert not (tmp_path / "s" / "store.json").exists()
+
+
 # ---------------------------------------------------------------- --out
 def test_out_under_a_file(tmp_path, tiny_run_inputs):
     target, data = tiny_run_inputs

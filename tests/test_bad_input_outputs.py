@@ -588,6 +588,27 @@ def test_capture_generation_beyond_the_context(tmp_path, tiny_run_inputs, comman
     assert not list(tmp_path.iterdir())
 
 
+def test_regenerate_prompts_fit_the_context_with_their_reply(tmp_path, tiny_run_inputs, capsys):
+    """The probe: --max-prompt-len (2048 by default) past a 256-position target was accepted, so a long prompt and
+    its reply ran the target past its context. A prompt may now take the context less --max-new-tokens (said in one
+    line; a longer turn ends its conversation, counted as prompt_too_long); none left is an error before writing."""
+    import capture
+
+    target, data = tiny_run_inputs
+    out = tmp_path / "o.jsonl"
+    kw = dict(target=str(target), data=str(data), out=str(out), num_records=4, batch_size=2, engine="hf")
+    capture_fails(
+        lambda: capture.regenerate(capture.RegenConfig(**kw, max_new_tokens=256)),
+        "error: --max-new-tokens 256 leaves no room for a prompt in the target's context of 256 tokens",
+    )
+    assert not list(tmp_path.iterdir())
+    capture.regenerate(capture.RegenConfig(**kw, max_new_tokens=236))
+    said = capsys.readouterr().out
+    assert "[regen] prompts up to 20 tokens: the target's context (256) less --max-new-tokens (236)" in said
+    dropped = [json.loads(x) for x in (tmp_path / "o.dropped.jsonl").read_text().splitlines()]
+    assert dropped and all("prompt_too_long" in json.dumps(d) for d in dropped)
+
+
 # ---------------------------------------------------------------- export.py
 @pytest.mark.parametrize(
     "given,message",
