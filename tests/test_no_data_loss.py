@@ -276,7 +276,9 @@ def test_capture_features_of_an_empty_file_fails(tmp_path, tiny_run_inputs):
     target, _ = tiny_run_inputs
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    p = cli("capture.py", "features", "--target", target, "--data", empty, "--out", tmp_path / "store")
+    # --max-len within the tiny target's 256 positions: past them is refused first, before the data is read
+    store = tmp_path / "store"
+    p = cli("capture.py", "features", "--target", target, "--data", empty, "--out", store, "--max-len", "256")
     refused(p, f"error: {empty}: no records to capture (the file is empty)")
     assert not (tmp_path / "store").exists()  # no store marked complete
 
