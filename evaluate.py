@@ -8,7 +8,7 @@ serving dir, of any family: EAGLE-3 drafts chain (-k) and tree (--tree-topk); P-
 K tokens in one parallel forward; DFlash, Domino and DSpark draft one block of K per step (K is the
 draft's; -k k <= K verifies the first k of them, --tree-* do not apply). Prints per dataset τ (tokens
 per target verification forward), the per-position acceptance rates, the draft cost per verification
-step relative to a target forward c and the expected speed-up τ / (1 + c) (batch 1; speculative.py says
+step relative to a target forward c and the expected speed-up τ / (1 + c) (batch 1; core/speculative.py says
 what is timed), and the baselines (plain decoding: τ = 1; n-gram prompt lookup with --ngram), and ends
 with one JSON line. Every output is checked equal to plain greedy decoding of the
 target when --check-greedy is set (costs one more decode per prompt).
@@ -29,12 +29,12 @@ from typing import Annotated
 import torch
 import tyro
 
+from core.distributed import DTYPES
+from core.speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 from data.benchmarks import DATASETS, load_prompts
 from data.vocab import coverage_rows
-from distributed import DTYPES
 from models.families import FAMILIES
 from models.proposer import Proposer
-from speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 
 
 def render(tokenizer, messages: list[dict]) -> list[int]:
@@ -94,8 +94,8 @@ def run_dataset_batched(
     target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False
 ):
     """run_dataset for a proposer that `batches` (EAGLE-3 chains), `batch` conversations decoded at once
-    (batched_chain.py); turn t of every conversation in a group runs in one batch."""
-    from batched_chain import batched_chain_generate
+    (core/batched_chain.py); turn t of every conversation in a group runs in one batch."""
+    from core.batched_chain import batched_chain_generate
 
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
@@ -135,8 +135,8 @@ def vllm_agreement(
 ) -> dict:
     """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
     vllm:spec_decode_* counters with ours, per dataset."""
+    from core.vllm_spec import run_job
     from export import export, find_checkpoint, vllm_method
-    from tools.vllm_spec import run_job
 
     served = Path(draft_path)
     if not (served / "model.safetensors").exists():
@@ -220,11 +220,11 @@ class EvalArgs:
     threads: int = 0
     """torch threads (0 = torch's default)"""
     batch: int = 1
-    """EAGLE-3 chains: decode this many conversations at once (batched_chain.py; same tokens and
+    """EAGLE-3 chains: decode this many conversations at once (core/batched_chain.py; same tokens and
     counters per conversation up to float rounding of the batched matmuls); other proposers run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
-    its acceptance counters with ours (needs the vLLM venv; tools/vllm_spec.py creates it)"""
+    its acceptance counters with ours (needs the vLLM venv; core/vllm_spec.py creates it)"""
     out: str = ""
     """append the result JSON line to this file"""
     resume_file: str = ""
@@ -370,7 +370,7 @@ def check_args(a: EvalArgs):
     kind, _, index = a.device.partition(":")  # --device tpu was a RuntimeError traceback after the models loaded
     if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
         raise SystemExit(f"error: --device must be cpu, cuda or cuda:N, got {a.device!r}")
-    from runlog import output_kind
+    from core.runlog import output_kind
 
     if a.target and (what := output_kind(a.target)):  # was a RuntimeError traceback from transformers
         raise SystemExit(f"error: --target {a.target} is {what}, not a target model (the draft is the first argument)")
@@ -379,10 +379,10 @@ def check_args(a: EvalArgs):
 def main(a: EvalArgs) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from core.runlog import git_commit, hardware, versions
     from data.chat import DataError
     from export import ExportError, open_draft, target_mismatch
     from models.target import load_tokenizer, resolve_target
-    from runlog import git_commit, hardware, versions
 
     check_args(a)
     try:  # every prompt set read before the models load: a bad file is one line now, not a traceback later
@@ -518,7 +518,7 @@ def main(a: EvalArgs) -> dict:
     if a.vllm:
         import tempfile
 
-        from tools.vllm_spec import VllmError
+        from core.vllm_spec import VllmError
 
         result["vllm"] = {}
         with tempfile.TemporaryDirectory() as tmp:

@@ -48,13 +48,13 @@ from typing import Literal
 import torch
 import tyro
 
-from distributed import DTYPES
+from core.distributed import DTYPES
+from core.runlog import RUN_FILES, clear_previous_run, previous_run, write_checkpoint
 from models.engines import ENGINES, ROPE_FIELDS, ExportError
 from models.engines import engine_aux_ids as engine_aux_ids  # re-exported: tools and tests import it from here
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.family import Family
-from runlog import RUN_FILES, clear_previous_run, previous_run, write_checkpoint
 
 
 # ---- training checkpoints ----
@@ -214,7 +214,7 @@ def export(
     if serving and (why := serving.unservable(c)):
         raise ExportError(f"{ckpt}: {why}")
     if target:  # given: a target model, or refused (a wrong path was skipped: no fit check, no tokenizer, recorded)
-        from runlog import output_kind
+        from core.runlog import output_kind
 
         if kind := output_kind(target):
             raise ExportError(f"--target {target} is {kind}, not a target model")

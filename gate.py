@@ -133,7 +133,7 @@ def out_problem(out: Path) -> str | None:
     import os
     import tempfile
 
-    from runlog import output_kind
+    from core.runlog import output_kind
 
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a directory"
@@ -162,8 +162,8 @@ def check_options(cfg: GateConfig):
     be served or pass)."""
     import math
 
+    from core.vllm_spec import venv_problem
     from models.families import FAMILIES
-    from tools.vllm_spec import venv_problem
 
     at_least = {"k": 1, "max_steps": 1, "chunk": 1, "scan_records": 1, "max_prompt_tokens": 1}
     at_least |= {"response_tokens": 1, "min_trainable": 0, "max_len": 2, "draft_vocab_size": 1, "vllm_timeout": 1}
@@ -195,7 +195,7 @@ def check_options(cfg: GateConfig):
         import io
         import re
 
-        from train import TrainConfig
+        from core.train_config import TrainConfig
 
         box = io.StringIO()
         try:
@@ -217,7 +217,7 @@ def check_options(cfg: GateConfig):
 def check_ckpt(ckpt: Path):
     """--ckpt: a training run or checkpoint, or a serving dir (a file or another command's output was an unclear
     'needs --sample' or export failure after the target loaded)."""
-    from runlog import output_kind
+    from core.runlog import output_kind
 
     what = "give a training run or checkpoint (train.py --out, or its ckpt/step_N) or a serving dir (export.py --out)"
     if not ckpt.exists():
@@ -239,12 +239,12 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from core.speculative import TargetRunner, speculative_generate
     from data.chat import DataError, check_template, to_messages, tokenize_chat
     from data.datasets import load_records
     from evaluate import eos_ids, render
     from models.proposer import Proposer
     from models.target import load_tokenizer, resolve_target
-    from speculative import TargetRunner, speculative_generate
 
     target_dir = resolve_target(cfg.target)
     tok = load_tokenizer(target_dir)
@@ -413,13 +413,13 @@ def target_context(target: str) -> int:
 
 
 def vllm_venv(cfg: GateConfig) -> Path:
-    from tools.vllm_spec import DEFAULT_VENV
+    from core.vllm_spec import DEFAULT_VENV
 
     return DEFAULT_VENV if not cfg.vllm_venv else ROOT / cfg.vllm_venv  # ROOT / an absolute path: that path
 
 
 def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
-    from tools.vllm_spec import VllmError, ensure_venv, run_job
+    from core.vllm_spec import VllmError, ensure_venv, run_job
 
     venv = vllm_venv(cfg)
     from export import ExportError, vllm_method
@@ -454,10 +454,10 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from core.speculative import TargetRunner, proposer_for, speculative_generate
     from export import ExportError, export, load_exported, target_mismatch
     from models.proposer import Proposer
     from models.target import load_tokenizer
-    from speculative import TargetRunner, proposer_for, speculative_generate
 
     shipped = (ckpt / "model.safetensors").exists()  # a serving dir: served as it is
     serving = ckpt if shipped else out / "export-vllm"
@@ -528,8 +528,8 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
 
 
 def main(cfg: GateConfig) -> int:
+    from core.runlog import output_kind
     from data.chat import DataError  # TargetError too: a broken target dir or file
-    from runlog import output_kind
 
     out = Path(cfg.out)
     if why := out_problem(out):  # nowhere to write gate.json either: the line alone

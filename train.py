@@ -19,555 +19,62 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import torch
 import torch.distributed as dist
-import tyro
 
-from config import DeployConfig, cli
-from data.chat import DataError
-from data.datasets import (
-    DEFAULT_DATA,
-    build_examples,
-    collate,
-    load_records,
-    split_holdout,
-    tokenize_workers,
-)
-from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
-from data.prefetch import Prefetcher
-from data.vocab import count_tokens
-from disagg.roles import consumer_target
-from disagg.roles import main as disagg_main
-from distributed import all_sum, barrier, destroy, init_distributed
-from features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
-from models.families import FAMILIES, FAMILY_OPTIONS
-from models.layers import param_count
-from models.moe import MoESizeError
-from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION, TargetHeads, load_tokenizer, past_context, resolve_target
-from optim import MuonAdamW, muon_groups
-from runlog import (
-    RUN_FILES,
+from core.config import cli, config_path
+from core.disagg.roles import consumer_target
+from core.disagg.roles import main as disagg_main
+from core.distributed import all_sum, barrier, destroy, init_distributed
+from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
+from core.optim import MuonAdamW, lr_at, muon_groups
+from core.runlog import (
     Heartbeat,
     RunLog,
+    StopRequest,
     Throughput,
     clear_previous_run,
     compiled_graphs,
-    output_kind,
     peak_flops,
-    previous_run,
     run_metadata,
     write_checkpoint,
 )
-from tools.vllm_features import vllm_target
+from core.train_config import (
+    ConfigError,
+    TrainConfig,
+    auto_batch_tokens,
+    check_inputs,
+    check_out,
+    checkpoints,
+    packing_blocker,
+    validate,
+)
+from core.vllm_features import vllm_target
+from data.chat import DataError
+from data.datasets import build_examples, collate, load_records, split_holdout, tokenize_workers
+from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
+from data.prefetch import Prefetcher
+from data.vocab import count_tokens
+from models.families import FAMILIES
+from models.layers import param_count
+from models.moe import MoESizeError
+from models.target import TargetHeads, config_int, load_tokenizer, past_context, resolve_target
 
-STARTED = time.monotonic()  # --time-limit counts from here: start-up (data, target, compile) included
 # The exit status of a run stopped early with a checkpoint (a first SIGTERM or Ctrl-C, --time-limit): not
 # finished, `--resume` continues it. 75 is sysexits.h's EX_TEMPFAIL ("try again later"), apart from 0
 # (finished, or stopped after --stop-after steps as asked) and 1 (failed: an `error:` line or a traceback).
 EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
-MAX_MOE_EXPERTS = 256
-MAX_PROCESSES = 1024  # --producers, --consumer-ranks: processes the disaggregated launcher starts on one host
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
-
-
-@dataclass
-class TrainConfig:
-    strategy: str = "eagle3"
-    """draft family to train: eagle3 | peagle | dflash | domino | dspark (models/families.py)"""
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
-    data: str = DEFAULT_DATA
-    """'sharegpt-greedy' (default: packaged chats answered greedily by SmolLM2 itself, 16,808), 'sharegpt-regen'
-    (3,390 answered by SmolLM2 at temperature 0.8), 'sharegpt' (the original answers), or a ShareGPT/messages-style
-    .json/.jsonl(.gz)/.parquet file or directory"""
-    features: str = ""
-    """offline: train from a FeatureStore written by `capture.py features` (no target forward; only the
-    target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""
-    num_records: int = 1200
-    """records read from the data (0 = all)"""
-    holdout: int = 32
-    """examples held out for the final evaluation"""
-    max_len: int = 384
-    """tokens per conversation; longer ones are truncated"""
-    draft_vocab_size: int = 8192
-    ttt_length: int = 7
-    """drafted tokens K trained per position: TTT steps (eagle3), parallel depths (peagle), block
-    predictions (dflash/domino: blocks of K+1 after the clean anchor; dspark: blocks of K)"""
-    objective: str = "auto"
-    """eagle3: kl (default) | lk-alpha | lk-lambda (LK losses) | tv | rkl | jsd (per-row divergences, as in
-    speculators; models/eagle3.py); peagle: kl; dflash: ce (default, per-slot hard CE) |
-    dpace (slots reweighted by detached prefix-acceptance estimates); domino: ce; dspark: ce-l1-conf"""
-    fc_norm: bool = False
-    """EAGLE-3.1 (eagle3/peagle): one RMSNorm per aux source before fc"""
-    norm_output: bool = False
-    """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
-    moe_experts: int = 0
-    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/moe.py MoEMLP)"""
-    moe_top_k: int = 1
-    moe_shared: bool = False
-    """add one always-on shared expert"""
-    moe_mode: str = "flops"
-    """flops: the experts a token runs add up to the dense intermediate size (same active FLOPs); params: all
-    experts together do (same parameter count)"""
-    moe_aux_coef: float = 0.01
-    """weight of the Switch-Transformer load-balancing loss"""
-    draft_layers: int = 1
-    """decoder layers of the block drafters (dflash/domino/dspark)"""
-    num_anchors: int = 32
-    """blocks per sequence (dflash/domino/dspark): random anchors on assistant tokens"""
-    loss_decay: float = 0.0
-    """dflash/domino: weight exp(-(k-1)/gamma) on block slot k (0 = none); dspark always uses gamma 4"""
-    aux_layers: tuple[int, ...] = ()
-    """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
-    batch_size: int = 4
-    """global batch in sequences (split over ranks)"""
-    batch_tokens: int = -1
-    """a token budget instead of --batch-size: every step is batch_tokens // max_len packed rows of --max-len,
-    filled first-fit with whole conversations of the shuffled data (data/packing.TokenBatches): one row count
-    (one compiled shape, no rows of padding) and rows nearly full; needs packing; 0 = --batch-size conversations;
-    -1 (auto) = --batch-size x --max-len on a GPU where rows are packed (the same step shape every step: nothing
-    recompiles after warm-up; packed conversations vary the row count), else --batch-size conversations"""
-    steps: int = 80
-    """optimizer steps (0 = one epoch)"""
-    lr: float = 3e-3
-    optimizer: str = "adamw"
-    """adamw, or muon: Muon on the draft's hidden matrices and AdamW on its head and vectors (optim.py;
-    the update is scaled to AdamW's RMS, so --lr and --weight-decay keep their meaning)"""
-    warmup: int = 8
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    seed: int = 0
-    out: str = "runs/eagle3"
-    """run directory: run.json, metrics.jsonl, tb/, ckpt/step_N/"""
-    resume: bool = False
-    """continue from the latest checkpoint in --out (an earlier intact one if the latest is damaged)"""
-    init_draft: str = ""
-    """start the draft from this checkpoint's weights (a run dir or ckpt/step_N, e.g. one that `export.py
-    --import-from` wrote); optimizer and schedule start fresh; the draft these flags build must have its config"""
-    overwrite: bool = False
-    """replace the previous run in --out (its run.json, metrics.jsonl, tb/ and ckpt/ are deleted once the new run
-    has loaded its model and data); without it (or --resume) train.py refuses an --out that holds a run"""
-    stop_after: int = 0
-    """stop (with a checkpoint) after this many steps of this invocation; the schedule still spans --steps.
-    Exit status 0: it stopped where it was told to"""
-    time_limit: float = 0.0
-    """stop the same way once this invocation has run this many seconds (0 = no limit), for a job with a
-    wall-clock limit; a first SIGTERM (a scheduler's, or `timeout`'s) or Ctrl-C stops it so too, after the
-    current step (a second one stops it at once, without a checkpoint). A run stopped so exits 75 (0: finished,
-    1: failed; 130: Ctrl-C before training) and its run.json says "status": "stopped" and the cause in
-    results.stopped_by; --resume continues it"""
-    ckpt_every: int = 0
-    """save every N steps (0 = only at the end)"""
-    log_every: int = 1
-    eval_every: int = 0
-    """evaluate the held-out split every N steps (0 = at start and end only)"""
-    eval_at_start: bool = True
-    """evaluate the untrained draft before the first step (its figures are the baseline of the run's curve)"""
-    eval_batch_size: int = 8
-    attention: str = "auto"
-    """eagle3's TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU;
-    FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory,
-    BENCHMARKS.md); auto = flex on GPU, lse on CPU. peagle, dflash, domino, dspark: eager (dense masks) |
-    flex (GPU); auto = flex on GPU, eager on CPU"""
-    loss: str = "auto"
-    """eagle3's head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton
-    on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU; the other families compute
-    their own (none reads --loss)"""
-    device: str = "auto"
-    """auto | cpu | cuda"""
-    backend: str = "auto"
-    """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
-    Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | vllm (a vLLM engine in its own venv, NANOSPEC_VLLM_VENV
-    or .venv-vllm; tools/vllm_features.py; online training and the disaggregated producers) | auto = compiled on a
-    GPU where it builds the target's architecture (else hf, saying why), hf on CPU (compiling pays only on a GPU;
-    hf is the reference)"""
-    pad_to_max_len: bool = False
-    """pad every batch to --max-len (rounded up to 128): flex then compiles one shape per TTT step instead
-    of one per (length bucket, step); worth it on a GPU where small steps are launch-bound (--compile implies it)"""
-    pack: str = "auto"
-    """several conversations per row of --max-len (data/packing.py; document boundaries kept everywhere, --batch-size
-    still counts conversations): auto = on where the family and target backend keep documents apart (eagle3, incl.
-    EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
-    offline; --compile on CPU), off where they cannot (--compile or lse on GPU, other HF attention) | on = refuse
-    to run there | off = one conversation per row"""
-    pack_row_multiple: int = 0
-    """packed batches get rows of padding up to a multiple of this many rows (1: none); 0 = on a GPU up to the
-    next of four row counts per octave (8, 10, 12, 14, 16, 20, ...; data/packing.py bucket_rows), none on CPU:
-    on a GPU each new row count compiles flex and the target anew"""
-    compile: bool = False
-    """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
-    shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
-    tp: int = 1
-    """tensor-parallel size of the compiled target: torchrun ranks [d*tp, (d+1)*tp) run it together on one batch
-    (dp = world/tp data-parallel groups); the draft stays FSDP2 over all ranks"""
-    progress: bool = True
-    """progress bars (tokenizing, evaluation, training) on rank 0"""
-    config: str = ""
-    """YAML file with any of these options (underscored names; deployment ones under `deploy:` or at top level);
-    flags given with it override it (config.py)"""
-    deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
-    """disaggregated online training: producer and consumer pools (disagg/)"""
-
-
-class ConfigError(ValueError):
-    """A bad option value or --out; reported as one line, before the model and data are loaded."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read back."""
-
-
-def validate(cfg: TrainConfig, world: int | None = None):
-    """Option values that cannot work, as one message each, before anything is loaded or written.
-    world: the ranks that split --batch-size (default: torchrun's WORLD_SIZE, or the launcher's consumer ranks)."""
-    if world is None:
-        world = (
-            cfg.deploy.consumer_ranks
-            if (cfg.deploy.producers and not cfg.deploy.role)
-            else int(os.environ.get("WORLD_SIZE", 1))
-        )
-    at_least = {
-        "batch_size": 1,
-        "eval_batch_size": 1,
-        "log_every": 1,
-        "ttt_length": 1,
-        "draft_vocab_size": 1,
-        "draft_layers": 1,
-        "num_anchors": 1,
-        "moe_top_k": 1,
-        "tp": 1,
-        "max_len": 2,
-        "steps": 0,
-        "num_records": 0,
-        "holdout": 0,
-        "warmup": 0,
-        "stop_after": 0,
-        "ckpt_every": 0,
-        "eval_every": 0,
-        "moe_experts": 0,
-        "pack_row_multiple": 0,
-    }
-    for name, low in at_least.items():
-        v = getattr(cfg, name)
-        if v < low:
-            hint = {"steps": " (0 = one epoch)", "num_records": " (0 = all)"}.get(name, "")
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{hint}, got {v}")
-    floats = {  # name: (lowest, lowest allowed itself, highest)
-        "lr": (0.0, False, math.inf),
-        "min_lr_ratio": (0.0, True, 1.0),
-        "weight_decay": (0.0, True, math.inf),
-        "grad_clip": (0.0, False, math.inf),
-        "moe_aux_coef": (0.0, True, math.inf),
-        "loss_decay": (0.0, True, math.inf),
-        "time_limit": (0.0, True, math.inf),
-    }
-    for name, (low, closed, high) in floats.items():
-        v = getattr(cfg, name)
-        if not math.isfinite(v) or v < low or (v == low and not closed) or v > high:
-            rng = f"{'[' if closed else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number in {rng}, got {v}")
-    if len(set(cfg.aux_layers)) != len(cfg.aux_layers) or any(i < 0 for i in cfg.aux_layers):
-        raise ConfigError(f"--aux-layers {' '.join(map(str, cfg.aux_layers))}: distinct layer indices, 0 or more")
-    if cfg.ttt_length >= cfg.max_len:  # step k predicts k + 1 tokens ahead: beyond the row, no target at all
-        raise ConfigError(
-            f"--ttt-length {cfg.ttt_length} needs rows longer than it: at --max-len {cfg.max_len} TTT steps "
-            f"{cfg.max_len - 1} and later have no target token (use --ttt-length {cfg.max_len - 1} or less)"
-        )
-    if cfg.moe_experts and cfg.moe_top_k > cfg.moe_experts:
-        raise ConfigError(f"--moe-top-k {cfg.moe_top_k} is more than --moe-experts {cfg.moe_experts}")
-    if cfg.tp > 1 and (world % cfg.tp or cfg.backend not in ("auto", "compiled") or cfg.features or cfg.deploy.role):
-        raise ConfigError(  # (was a SystemExit without 'error: ' once the target had loaded; Trainer checks it too)
-            f"--tp {cfg.tp} must divide the number of ranks ({world}) and needs --backend compiled "
-            "with an online target (no --features, no disaggregated roles)"
-        )
-    check_deploy(cfg.deploy)
-    if cfg.moe_experts > MAX_MOE_EXPERTS:  # 10**12 was a traceback from the allocator once the target had loaded
-        raise ConfigError(
-            f"--moe-experts {cfg.moe_experts}: at most {MAX_MOE_EXPERTS} (every expert runs on every token in training,"
-            " models/moe.py: E experts cost E MLPs)"
-        )
-    if not cfg.moe_experts and "moe_experts" in getattr(FAMILIES.get(cfg.strategy), "options", ()):
-        for name, dense in (("moe_top_k", 1), ("moe_shared", False), ("moe_mode", "flops"), ("moe_aux_coef", 0.01)):
-            if getattr(cfg, name) != dense:  # the dense MLP reads none of them: they were ignored
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} applies to a mixture-of-experts draft: pass --moe-experts N too "
-                    "(0, the default, is the dense MLP, which reads no --moe-* option)"
-                )
-    if cfg.optimizer not in ("adamw", "muon"):
-        raise ConfigError(f"--optimizer must be adamw or muon, got {cfg.optimizer!r}")
-    if cfg.moe_mode not in ("flops", "params"):
-        raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
-    if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
-            "data-parallel ranks"
-        )
-    rows = cfg.batch_tokens // cfg.max_len if cfg.batch_tokens > 0 else cfg.batch_size
-    if cfg.pack_row_multiple > max(rows, 1):  # 10**12 was an allocator traceback: a batch padded to that many rows
-        raise ConfigError(
-            f"--pack-row-multiple {cfg.pack_row_multiple} is more rows than a batch holds ({rows}): every batch would "
-            f"be padded to {cfg.pack_row_multiple} rows, nearly all of them padding"
-        )
-    if cfg.batch_tokens < -1 or 0 < cfg.batch_tokens < cfg.max_len:
-        raise ConfigError(
-            f"--batch-tokens {cfg.batch_tokens}: -1 (auto), 0 (--batch-size conversations), or at least one row of "
-            f"--max-len {cfg.max_len}"
-        )
-    if cfg.batch_tokens > 0 and world % cfg.tp == 0 and (cfg.batch_tokens // cfg.max_len) % (world // cfg.tp):
-        raise ConfigError(
-            f"--batch-tokens {cfg.batch_tokens} gives {cfg.batch_tokens // cfg.max_len} rows of --max-len {cfg.max_len}"
-            f" a step: they must split evenly over the {world // cfg.tp} data-parallel ranks"
-        )
-    if cfg.resume and cfg.init_draft:
-        raise ConfigError("--resume continues the run in --out with its own weights; --init-draft starts a new one")
-    if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
-    if cfg.pack not in ("auto", "on", "off"):
-        raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
-    if cfg.strategy not in FAMILIES:
-        raise ConfigError(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(FAMILIES)}")
-    default = TrainConfig()
-    for name in sorted(
-        FAMILY_OPTIONS - FAMILIES[cfg.strategy].options
-    ):  # an option another family reads: refused, never ignored
-        if getattr(cfg, name) != getattr(default, name):
-            users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
-            raise ConfigError(f"--{name.replace('_', '-')} applies to --strategy {users}, not {cfg.strategy}")
-    family = FAMILIES[cfg.strategy]
-    for name, field in (("attention", "attentions"), ("loss", "losses")):  # read by some families only
-        given, values = getattr(cfg, name), getattr(family, field)
-        if given == "auto" or given in values:
-            continue
-        users = ", ".join(n for n, f in FAMILIES.items() if given in getattr(f, field))
-        takes = f"it takes auto, {', '.join(values)}" if values else "it reads no --" + name
-        if users:  # e.g. --loss triton or --attention lse for dflash: refused, never ignored
-            raise ConfigError(f"--{name} {given} applies to --strategy {users}, not {cfg.strategy} ({takes})")
-        raise ConfigError(f"--{name} {given!r} is no {name} of any family; for --strategy {cfg.strategy} {takes}")
-
-
-def check_deploy(d: DeployConfig):
-    """The disaggregated options (disagg/): values that cannot work (--producers -1 was a ZeroDivisionError, 10**12
-    started processes until killed), and any of them given without --producers or --role, where the target runs in
-    this process and none of them is read (they were ignored without a word)."""
-    for name, low, high in (
-        ("producers", 0, MAX_PROCESSES),  # the launcher starts every producer and consumer rank on this host
-        ("consumer_ranks", 1, MAX_PROCESSES),
-        ("lease_size", 0, None),
-        ("high_watermark", 0, None),
-        ("low_watermark", 0, None),
-        ("max_attempts", 1, None),
-    ):
-        v = getattr(d, name)
-        if v < low or (high is not None and v > high):
-            most = f" and at most {high} (the launcher starts them all on this host)" if high else ""
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least {low}{most}, got {v}")
-    for name in ("heartbeat", "lease_timeout", "producer_timeout"):
-        if not (math.isfinite(v := getattr(d, name)) and v > 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds above 0, got {v}")
-    if not d.producers and not d.role:
-        default = DeployConfig()
-        for f in dataclasses.fields(d):
-            if getattr(d, f.name) != getattr(default, f.name):
-                raise ConfigError(
-                    f"--{f.name.replace('_', '-')} applies to disaggregated training (--producers N, or --role for one "
-                    "pool member): without them the target runs in this process and reads no deployment option"
-                )
-
-
-def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool) -> int:
-    """--batch-tokens as the run uses it: -1 (auto) is --batch-size rows of --max-len on a GPU with packed rows
-    (one step shape: the compiled target and flex compile once; packed conversations vary the row count and
-    recompile), else 0 (--batch-size conversations). Disaggregated runs keep -1, which means conversations
-    there: the producers lay out the plan before any packing is decided, and their fingerprint carries it."""
-    if cfg.batch_tokens != -1 or cfg.deploy.role or cfg.deploy.producers:
-        return cfg.batch_tokens
-    return cfg.batch_size * cfg.max_len if kind == "cuda" and pack else 0
-
-
-def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:
-    """Why this run cannot pack rows without mixing documents (None: it can). attn_impl: the HF
-    target's attention implementation (None for the compiled target or stored features)."""
-    if not family.packs:
-        packing = ", ".join(n for n, s in FAMILIES.items() if s.packs)
-        return (
-            f"--strategy {cfg.strategy} does not keep packed documents apart in its masks yet "
-            f"(families that pack: {packing})"
-        )
-    # correct on CPU inductor (tests/test_packing.py). On the H200 (2026-12-01) its first step never finished:
-    # each new row count recompiled flex, each compile slowed by the document mask's key-index gather (both
-    # fixed since: kernels/masks.ttt_document_mask, data/packing.pad_batch_rows; experiments/results/
-    # pack_probe_h200/). Refused there until it is measured at speed;
-    # NANOSPEC_TRY_PACK_COMPILE=1 lets experiments/pack_probe.sh run it
-    if cfg.compile and kind == "cuda" and not os.environ.get("NANOSPEC_TRY_PACK_COMPILE"):
-        return (
-            "--compile with packed rows on a GPU is not yet measured at speed (on the H200 its first step did "
-            "not finish; experiments/results/pack_probe_h200/README.md); --compile runs one conversation per row "
-            "there"
-        )
-    if kind == "cuda" and cfg.attention == "lse":
-        return "--attention lse has no document mask on the GPU (its fused CUDA kernel takes none): use flex"
-    if attn_impl is not None and attn_impl not in PACKABLE_ATTENTION:
-        return f"the hf target runs {attn_impl!r} attention; packed rows need one of {PACKABLE_ATTENTION} (a 4D mask)"
-    return None
-
-
-def _first_existing(p: Path) -> Path:
-    p = p.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoint dirs of `out`, the one ckpt/latest names first, then the others newest first."""
-    ck = out / "ckpt"
-    if not ck.is_dir():
-        return []
-    steps = sorted(
-        (d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:])
-    )
-    latest = ck / "latest"
-    try:
-        named = ck / latest.read_text().strip() if latest.exists() else None
-    except OSError:
-        named = None
-    return ([named] if named in steps else []) + [d for d in steps if d != named]
-
-
-def check_inputs(cfg: TrainConfig):
-    """Another command's output where an input or --out goes, refused by name before anything loads (runlog.
-    output_kind): a draft export as --target was a RuntimeError traceback from transformers, a run written into an
-    export or a feature store mixed their files (export.py --out then replaces an export's directory whole)."""
-    model = "a Hugging Face causal-LM directory, a .gguf file or 'smollm2'"
-    if kind := output_kind(cfg.target):
-        raise ConfigError(
-            f"--target {cfg.target} is {kind}, not a target model: pass the model the draft is for ({model})"
-        )
-    if not cfg.features and (kind := output_kind(cfg.data)):
-        raise ConfigError(f"--data {cfg.data} is {kind}, not chats: pass a ShareGPT/messages-style file or directory")
-    if cfg.features and (kind := output_kind(cfg.features)) and not kind.startswith("a feature store"):
-        raise ConfigError(f"--features {cfg.features} is {kind}, not a feature store (capture.py features --out)")
-    if cfg.init_draft:
-        if not Path(cfg.init_draft).exists():
-            raise ConfigError(f"--init-draft {cfg.init_draft}: no such checkpoint or run directory")
-        kind = output_kind(cfg.init_draft) or ""
-        if kind.startswith(("a draft export", "a draft model")):
-            raise ConfigError(
-                f"--init-draft {cfg.init_draft} is {kind}; --init-draft takes a training checkpoint or run: make one "
-                f"from it with `python export.py --import-from auto {cfg.init_draft} --out RUN`, then --init-draft RUN"
-            )
-        if kind and not kind.startswith("a training"):
-            raise ConfigError(f"--init-draft {cfg.init_draft} is {kind}, not a training checkpoint or run")
-    if (kind := output_kind(cfg.out)) and not kind.startswith("a training run"):
-        raise ConfigError(
-            f"--out {cfg.out} is {kind}: a run written there would mix with its files; give another --out"
-        )
-    control = Path(cfg.deploy.control)
-    if cfg.deploy.control and not cfg.resume and control.is_dir() and not (control / "control.db").exists():
-        if found := sorted(p.name for p in control.iterdir()):  # a fresh run deletes its features/ and control.db
-            shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
-            raise ConfigError(
-                f"--control {control} holds files of no run's control directory ({shown}): a fresh run deletes the "
-                "control.db and features/ it finds there; give a new or empty directory"
-            )
-    if not cfg.out.strip():  # was the current directory: a run written among the files there
-        raise ConfigError("--out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)")
-    out = Path(cfg.out)
-    if out.is_dir() and not kind and not previous_run(out):  # e.g. the target's folder, `--out .`, `--out runs`
-        # a log is allowed: `mkdir runs/x && python train.py --out runs/x > runs/x/train.log` is how runs are logged
-        found = sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "pipeline")
-        found = [n for n in found if not n.endswith(".log")]
-        if found:
-            shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
-            raise ConfigError(
-                f"--out {out} holds files no run wrote ({shown}): the run ({', '.join(RUN_FILES)}) would be written "
-                "among them; give a new or empty directory"
-            )
-
-
-def check_out(cfg: TrainConfig, rank: int = 0):
-    """--out before anything is loaded: a directory train.py can write (rank 0 writes), not an earlier run's
-    unless --resume or --overwrite, and with a checkpoint for --resume."""
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory")
-    if rank == 0:
-        base = _first_existing(out)
-        if not base.is_dir():
-            raise ConfigError(f"--out {out}: {base} is a file, not a directory")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            why = {
-                errno.EROFS: "it is on a read-only file system",
-                errno.EACCES: "no permission to write there",
-                errno.EPERM: "no permission to write there",
-                errno.ENOSPC: "no space left on that device",
-            }.get(e.errno, e.strerror or str(e))
-            raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
-    if cfg.resume:
-        if not (ck := checkpoints(out)):
-            again = (
-                "--overwrite instead of --resume to start it again"
-                if previous_run(out)
-                else "no --resume to start a run there"
-            )
-            raise ConfigError(f"--resume: no checkpoint in {out / 'ckpt'} (pass {again})")
-        # the run's record is continued, never started over: without a readable run.json, stop (history kept)
-        rec, fresh = out / "run.json", f"--init-draft {ck[0]} starts a new run in another --out from its weights"
-        try:
-            ok = isinstance(json.loads(rec.read_text()), dict)
-        except FileNotFoundError:
-            raise ConfigError(
-                f"--resume: {rec} is missing, so this run's record cannot be continued (metrics.jsonl and the "
-                f"checkpoints are left as they are): restore it, or {fresh}"
-            ) from None
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"--resume: {rec} is damaged or unreadable ({type(e).__name__}: {e}); nothing was changed: "
-                f"restore it, or {fresh}"
-            ) from None
-        if not ok:
-            raise ConfigError(
-                f"--resume: {rec} does not hold a run's record (not a JSON object): restore it, or {fresh}"
-            )
-    elif not cfg.overwrite and (old := previous_run(out)):
-        ck = checkpoints(out)
-        raise ConfigError(
-            f"--out {out} holds a previous run ({', '.join(old)}{f'; checkpoint {ck[0].name}' if ck else ''}): "
-            "pass --resume to continue it, --overwrite to replace it, or another --out"
-        )
-
-
-def target_vocab_size(target_dir: Path) -> int | None:
-    try:
-        c = json.loads((Path(target_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
-
-
-def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
-    """Linear warmup then cosine down to min_lr_ratio * lr."""
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
 class Trainer:
@@ -639,7 +146,7 @@ class Trainer:
                 )
         if not cfg.features and (why := past_context(target_dir, cfg.max_len, "--max-len")):  # (a store: its own)
             raise ConfigError(f"{why}: a longer conversation would run the target past it; pass a smaller --max-len")
-        V = target_vocab_size(target_dir)
+        V = config_int(target_dir, "vocab_size")
         if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
             raise ConfigError(
                 f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
@@ -650,7 +157,7 @@ class Trainer:
             self.store, self._stored, self.target = open_for_training(
                 cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device
             )
-        elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (disagg/roles.py)
+        elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (core/disagg/roles.py)
             self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
         else:
             aux = list(cfg.aux_layers) or None
@@ -1065,7 +572,7 @@ class Trainer:
             "efficiency": real / max(rows, 1),
         }
 
-    # ---- hooks (disagg/roles.py's consumer overrides them) ----
+    # ---- hooks (core/disagg/roles.py's consumer overrides them) ----
     def step_examples(self, step: int) -> list:
         """This rank's examples of optimizer step `step`."""
         return [self.train_set[i] for i in self.batches.indices(step, self.dp_rank, self.dp_size)]
@@ -1244,46 +751,6 @@ class Trainer:
         return results
 
 
-class StopRequest:
-    """--time-limit, SIGTERM and SIGINT: whether to stop, with a checkpoint, after the current step. The first
-    SIGTERM or Ctrl-C only raises a flag (a second one acts as before: SIGTERM kills, Ctrl-C raises
-    KeyboardInterrupt); every rank must stop at the same step, so on several ranks the flags are summed at log
-    steps (where the loop syncs anyway), on one rank read each step."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, time_limit: float, device: torch.device, world: int):
-        self.deadline = STARTED + time_limit if time_limit else math.inf
-        self.device, self.world = device, world
-        self.signalled = ""  # the name of the first signal received
-        self.previous = {}  # the handlers before ours (SIG_DFL where not set from Python); empty: not ours
-        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
-            for s in self.SIGNALS:
-                before = signal.signal(s, self.on_signal)
-                self.previous[s] = signal.SIG_DFL if before is None else before
-
-    def on_signal(self, signum, frame):
-        self.signalled = self.signalled or signal.Signals(signum).name
-        signal.signal(signum, self.previous[signum])
-        # os.write, not print: a handler may run in the middle of a print on the main thread
-        os.write(2, f"\n[stop] {self.signalled}: stopping after this step (send it again to stop now)\n".encode())
-
-    def why(self, check_ranks: bool) -> str:
-        """Why to stop now ('' = go on); with several ranks only where check_ranks (the same step on all)."""
-        mine = self.signalled or ("--time-limit" if time.monotonic() >= self.deadline else "")
-        if self.world == 1:
-            return mine
-        if not check_ranks:
-            return ""
-        flag = all_sum(torch.tensor([float(bool(mine))], device=self.device))
-        return mine or ("another rank's stop" if flag.item() else "")
-
-    def close(self):
-        for s, before in self.previous.items():
-            if signal.getsignal(s) == self.on_signal:
-                signal.signal(s, before)
-
-
 def fmt(m: dict) -> str:
     keys = sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))
     return " ".join(f"{k}={m[k]:.3f}" for k in keys)
@@ -1324,25 +791,15 @@ def exit_status(res: dict) -> int:
     return EXIT_STOPPED if why and not why.startswith("--stop-after") else 0
 
 
-def config_path(argv: list[str]) -> str:
-    """The --config file named on the command line (cli() reads it and drops it from the flags)."""
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return ""
-
-
 if __name__ == "__main__":
     cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
         try:
-            if (
-                not cfg.deploy.role
-            ):  # the launcher: the options and --out before starting the pools (a consumer restarted
-                validate(cfg)  # by hand into its own --out resumes: disagg/roles.py)
+            # the launcher checks the options and --out before starting the pools (a consumer restarted by hand
+            # into its own --out resumes: core/disagg/roles.py)
+            if not cfg.deploy.role:
+                validate(cfg)
                 check_inputs(cfg)
                 check_out(cfg)
             disagg_main(cfg, Trainer, vllm_target)

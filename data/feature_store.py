@@ -32,7 +32,7 @@ Why this shape:
   (safetensors slices are memory-mapped reads).
 
 The feature layout written by `capture.py features` (fields input_ids, loss_mask, aux_hidden,
-final_hidden) and its reader open_feature_store are at the bottom (features.py ties a store to a target for
+final_hidden) and its reader open_feature_store are at the bottom (core/features.py ties a store to a target for
 train.py: open_for_training, batch_features).
 """
 

@@ -15,7 +15,7 @@ document, so that nothing downstream mixes them:
 
 The batch keeps collate()'s keys too (input_ids, loss_mask, attention_mask = 1 on real tokens),
 so a consumer that ignores doc_ids would silently attend across documents: that is why train.py
-packs only where every consumer honours them (train.packing_blocker names what does not).
+packs only where every consumer honours them (core/train_config.py packing_blocker names what does not).
 T is the fullest row's length (like collate's longest example), not always row_len.
 """
 

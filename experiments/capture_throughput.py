@@ -148,9 +148,9 @@ def env_info(device) -> dict:
 def main(args: Args):
     import torch
 
+    from core.features import capture_examples
     from data.chat import Example
     from data.feature_store import FeatureStore, feature_schema
-    from features import capture_examples
     from models.target import Target
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")

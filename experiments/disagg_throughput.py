@@ -111,7 +111,7 @@ class Args:
 
 def main(args: Args):
     if not args.plot:
-        from runlog import git_commit, hardware, versions
+        from core.runlog import git_commit, hardware, versions
 
         done = {json.loads(l)["mode"] for l in open(JSONL)} if JSONL.exists() else set()
         for name, extra in MODES.items():

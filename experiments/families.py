@@ -14,7 +14,7 @@ per verification step and the expected speed-up.
 Every family is trained for K = --ttt-length (7) and evaluated at each K of --eval-ks: EAGLE-3 chains
 draft K deep; the fixed-K families draft their 7 per forward and the first K are verified
 (evaluate.py -k), so at K = 3 a block drafter still pays for its whole block. Per (benchmark, K),
-evaluate.py times drafting (propose + catch-up) and verification forwards at batch 1 (speculative.py);
+evaluate.py times drafting (propose + catch-up) and verification forwards at batch 1 (core/speculative.py);
 then
 
     c        = draft seconds per verification step / target seconds per verification step

@@ -21,12 +21,12 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from capture import stop_ids_for  # noqa: E402
+from core.prompts import stop_ids_for  # noqa: E402
+from core.runlog import git_commit, hardware, versions  # noqa: E402
 from data.datasets import load_records  # noqa: E402
 from models.fast_target import FastTarget  # noqa: E402
 from models.generate import SlotGenerator  # noqa: E402
 from models.target import load_tokenizer, resolve_target  # noqa: E402
-from runlog import git_commit, hardware, versions  # noqa: E402
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # datasheet peaks (SXM)
 

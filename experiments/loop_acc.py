@@ -62,8 +62,8 @@ class Args:
 
 
 def main(a: Args):
+    from core.runlog import run_metadata
     from export import open_draft
-    from runlog import run_metadata
     from train import TrainConfig, Trainer
 
     t0 = time.time()

@@ -49,8 +49,8 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import to_flags  # noqa: E402
-from train import TrainConfig  # noqa: E402
+from core.config import to_flags  # noqa: E402
+from core.train_config import TrainConfig  # noqa: E402
 
 PHASES = ("tests", "parity", "dp", "disagg", "tp")
 WORK = Path(os.environ.get("MULTI_GPU_WORK", "/tmp/multi_gpu"))  # targets, train.py runs, pipeline store
@@ -786,7 +786,7 @@ def environment(args) -> dict:
 
     import torch
 
-    from runlog import git_commit, hardware
+    from core.runlog import git_commit, hardware
 
     hw = hardware("cpu")  # host; the GPUs from nvidia-smi (no CUDA context in this process: it would hold GPU 0 memory)
     v = {"torch": torch.__version__, "cuda": torch.version.cuda}

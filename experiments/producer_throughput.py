@@ -44,11 +44,11 @@ class Args:
 def main(args: Args):
     import torch
 
+    from core.features import capture_examples, load_target
+    from core.runlog import hardware, versions
+    from core.vllm_features import vllm_target
     from data.datasets import build_examples, load_records
-    from features import capture_examples, load_target
     from models.target import load_tokenizer, resolve_target
-    from runlog import hardware, versions
-    from tools.vllm_features import vllm_target
 
     target_dir = resolve_target(args.target)
     examples = build_examples(load_records(args.data, args.num_records), load_tokenizer(target_dir), args.max_len)

@@ -75,7 +75,7 @@ FILES = ("regen.jsonl.gz", "regen.dropped.jsonl", "regen.provenance.json")
 def prepare(state: Path, num_records: int, max_turns: int):
     """First num_records ShareGPT conversations, user/system turns up to the max_turns-th reply,
     assistant turns kept as empty placeholders (they are regenerated)."""
-    from capture import conversation_ids, reply_slots
+    from core.regenerate import conversation_ids, reply_slots
     from data.chat import to_messages
     from data.datasets import load_records
 

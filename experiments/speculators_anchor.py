@@ -54,9 +54,9 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import to_flags  # noqa: E402
+from core.config import to_flags  # noqa: E402
+from core.train_config import TrainConfig  # noqa: E402
 from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
-from train import TrainConfig  # noqa: E402
 
 
 @dataclasses.dataclass

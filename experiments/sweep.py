@@ -3,7 +3,7 @@
 For each (seed, setting) a sweep runs `train.py` then `evaluate.py` as subprocesses and appends
 ONE row per finished run to a CSV under experiments/results/: the setting, the seed, τ per
 benchmark (chain drafting with --eval-k tokens), held-out acc_0, training time, peak memory
-(CUDA max allocated on GPU, max RSS on CPU; recorded by runlog.py), draft parameters, the
+(CUDA max allocated on GPU, max RSS on CPU; recorded by core/runlog.py), draft parameters, the
 scale, the training config, git commit, hardware, versions, date and both commands. A run whose
 (setting, seed, scale) is already in the CSV is skipped, so a sweep can be stopped and started
 again; a run whose training finished but whose evaluation did not is evaluated again without
@@ -220,9 +220,9 @@ class Sweep:
         return self.a.seeds
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
-        from config import to_flags
+        from core.config import to_flags
+        from core.train_config import TrainConfig
         from models.families import family_of  # these import torch: only when a run is built
-        from train import TrainConfig
 
         a, strategy = self.a, "eagle3"
         if "--strategy" in setting_args:

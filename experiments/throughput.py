@@ -198,7 +198,7 @@ def free_memory(device):
 def environment(device) -> dict:
     import importlib.metadata as md
 
-    from runlog import git_commit
+    from core.runlog import git_commit
 
     env = {
         "torch": torch.__version__,

@@ -38,8 +38,8 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import to_flags  # noqa: E402
-from train import TrainConfig  # noqa: E402
+from core.config import to_flags  # noqa: E402
+from core.train_config import TrainConfig  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def environment() -> dict:
     """What a row records about where it was measured (runlog's commit, versions and hardware)."""
     import torch
 
-    from runlog import git_commit, hardware, versions
+    from core.runlog import git_commit, hardware, versions
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
@@ -189,7 +189,7 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
     env = None
     if mode.startswith("tokens"):
         cfg = dataclasses.replace(cfg, batch_tokens=a.harness_batch * a.max_len)
-        if mode == "tokens-compile":  # past train.packing_blocker's GPU guard: this run is the measurement
+        if mode == "tokens-compile":  # past packing_blocker's GPU guard (core/train_config.py): this run is the measurement
             env = {**os.environ, "NANOSPEC_TRY_PACK_COMPILE": "1"}
     cmd = [sys.executable, "train.py", *to_flags(cfg), *a.extra]
     t = time.time()

@@ -49,9 +49,9 @@ def prompts(tok, n: int) -> list[list[int]]:
 
 
 def main(a: Args) -> list[dict]:
+    from core.runlog import git_commit, hardware, versions
+    from core.vllm_spec import run_job
     from models.target import load_tokenizer, resolve_target
-    from runlog import git_commit, hardware, versions
-    from tools.vllm_spec import run_job
 
     target = resolve_target(a.target)
     ps = prompts(load_tokenizer(target), a.num_prompts)

@@ -73,12 +73,12 @@ def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> lis
 def main(a: Args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
+    from core.runlog import git_commit, hardware, versions
     from data.benchmarks import load_prompts
     from data.datasets import build_examples, load_records, split_holdout
     from data.vocab import build_vocab_mapping, count_tokens, coverage_rows
     from evaluate import eos_ids
     from models.target import load_tokenizer, resolve_target
-    from runlog import git_commit, hardware, versions
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -456,7 +456,7 @@ class Eagle3Proposer(Proposer):
         self.past, self.n_real, self.h_last = None, 0, None
 
     @property
-    def batches(self) -> bool:  # chains only: batched_chain.py has no trees
+    def batches(self) -> bool:  # chains only: core/batched_chain.py has no trees
         return self.topk == 1
 
     def _emb(self, tokens: list[int]):

@@ -223,7 +223,7 @@ class PEagleProposer(Eagle3Proposer):
     to each other (vLLM's parallel_drafting layout). depth k < K drafts the first k (the slots are
     causal, so they are the first k of the K)."""
 
-    batches = False  # one parallel forward a step, not the chain batched_chain.py runs
+    batches = False  # one parallel forward a step, not the chain core/batched_chain.py runs
 
     def __init__(self, draft, embed_tokens, depth: int | None = None):
         super().__init__(draft, embed_tokens, depth=verified_depth(depth, draft.K))

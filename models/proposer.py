@@ -1,4 +1,4 @@
-"""The drafting interface the speculative decoding loop (speculative.py) drives: a proposer keeps
+"""The drafting interface the speculative decoding loop (core/speculative.py) drives: a proposer keeps
 the draft's own KV cache, proposes a Tree of target token ids from the committed ids, and catches
 up on the rows the target verified. Each family's proposer lives in its file in models/; this
 base proposes nothing (plain greedy decoding through the same loop: the τ = 1 baseline)."""
@@ -41,7 +41,7 @@ class Proposer:
 
     name = "none"
     needs_aux = False
-    # its steps are EAGLE-3 chains over the draft's own KV cache, which batched_chain.py runs in lockstep
+    # its steps are EAGLE-3 chains over the draft's own KV cache, which core/batched_chain.py runs in lockstep
     # for many prompts at once (evaluate.py --batch); a proposer without it decodes one prompt at a time
     batches = False
 

@@ -113,14 +113,20 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def target_context(target_dir: Path) -> int | None:
-    """The target's context: its config.json's max_position_embeddings (or its text_config's), None if it names none."""
+def config_int(target_dir: Path, name: str) -> int | None:
+    """An integer field of the target's config.json (or of its text_config, a multimodal model's), None if it names
+    none or cannot be read (resolve_target has read it: not expected)."""
     try:
         c = json.loads((Path(target_dir) / "config.json").read_text())
-        ctx = c.get("max_position_embeddings") or (c.get("text_config") or {}).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):  # resolve_target has read it: not expected
+        v = c.get(name) or (c.get("text_config") or {}).get(name)
+    except (OSError, ValueError, AttributeError):
         return None
-    return ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def target_context(target_dir: Path) -> int | None:
+    """The target's context: its config.json's max_position_embeddings, None if it names none."""
+    return config_int(target_dir, "max_position_embeddings")
 
 
 def past_context(target_dir: Path, tokens: int, what: str) -> str:

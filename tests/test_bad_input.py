@@ -522,7 +522,7 @@ def test_tp_and_row_padding_checked_before_anything(tmp_path, tiny_run_inputs, k
 )
 def test_deploy_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
     import train
-    from config import DeployConfig
+    from core.config import DeployConfig
 
     monkeypatch.setattr(train, "Trainer", None)
     cfg = cfg_of(*tiny_run_inputs, tmp_path / "out", deploy=DeployConfig(**kw))
@@ -534,7 +534,7 @@ def test_control_dir_of_other_files_is_refused(tmp_path, tiny_run_inputs):
     """A fresh disaggregated run deletes the control.db and features/ of its --control: `--control runs` took
     runs/features, capture.py features' default store. Refused before anything starts."""
     import train
-    from config import DeployConfig
+    from core.config import DeployConfig
 
     ctl = tmp_path / "runs"
     (ctl / "features").mkdir(parents=True)

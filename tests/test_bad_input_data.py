@@ -335,7 +335,7 @@ def test_truncated_target_weights_are_named(tmp_path, tiny_run_inputs):
     ],
 )
 def test_config_file_values_are_checked(tmp_path, text, message):
-    from config import cli
+    from core.config import cli
     from train import TrainConfig
 
     y = tmp_path / "run.yaml"
@@ -352,7 +352,7 @@ def test_config_file_values_are_checked(tmp_path, text, message):
 
 
 def test_config_file_that_is_not_yaml_text(tmp_path):
-    from config import cli
+    from core.config import cli
     from train import TrainConfig
 
     for path, message in [(tmp_path, "IsADirectoryError"), (_cut_gz(tmp_path / "a.gz"), "UnicodeDecodeError")]:

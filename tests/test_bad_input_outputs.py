@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from runlog import output_kind
+from core.runlog import output_kind
 from tests.test_bad_input import cfg_of, failed, main_fails, snapshot
 from tests.test_train_e2e import run_train
 
@@ -251,7 +251,7 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
     """The probe: a --vllm-venv that did not import vllm was deleted whole before the venv was built there, so
     `gate.py --vllm-venv runs` (a folder of runs) or `--vllm-venv .venv` (the project's venv) lost it. gate.py
     refuses it up front; ensure_venv (evaluate.py --vllm, capture.py --backend vllm: NANOSPEC_VLLM_VENV) too."""
-    from tools.vllm_spec import VENV_MARKER, VllmError, ensure_venv, venv_problem
+    from core.vllm_spec import VENV_MARKER, VllmError, ensure_venv, venv_problem
 
     made = {"user": {"notes.txt": "mine"}, "venv": {"pyvenv.cfg": "home = /usr/bin", "bin/python": ""}}
     path = tmp_path / given
@@ -274,12 +274,12 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
 def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     """The probe: on the tiny 256-position target vLLM refused the gate's max_model_len 1024 ('GATE FAILED at
     serve' for a draft that was never served); it is the target's context where that is smaller."""
+    import core.vllm_spec
     import gate
-    import tools.vllm_spec
 
     jobs = []
-    monkeypatch.setattr(tools.vllm_spec, "ensure_venv", lambda venv, log: None)
-    monkeypatch.setattr(tools.vllm_spec, "run_job", lambda job, *a, **kw: jobs.append(job) or {})
+    monkeypatch.setattr(core.vllm_spec, "ensure_venv", lambda venv, log: None)
+    monkeypatch.setattr(core.vllm_spec, "run_job", lambda job, *a, **kw: jobs.append(job) or {})
     target, _ = tiny_run_inputs
     gate.run_vllm(gate.GateConfig(), str(target), tmp_path, [1, 2], 4, tmp_path)
     assert jobs[0]["max_model_len"] == 256 and gate.target_context(str(tmp_path)) == 1024
@@ -421,15 +421,15 @@ def test_capture_time_limit_exits_75(tmp_path, tiny_run_inputs, monkeypatch, cap
 def test_capture_prompts_that_are_all_dropped_stop(tmp_path, tiny_run_inputs, monkeypatch):
     """--temperature 0 samples the same prompts again (dropped as repeats), a --max-new-tokens no prompt ends
     within drops them all: the loop never ended. Now it stops with an error naming the reasons."""
-    import capture
+    from core import prompts
 
     target, _ = tiny_run_inputs
-    monkeypatch.setattr(capture, "ALL_DROPPED_STOP", 8)
-    cfg = capture.PromptsConfig(
+    monkeypatch.setattr(prompts, "ALL_DROPPED_STOP", 8)
+    cfg = prompts.PromptsConfig(
         target=str(target), out=str(tmp_path / "p.jsonl"), batch_size=4, max_new_tokens=2, engine="hf", temperature=0
     )
     with pytest.raises(SystemExit) as e:
-        capture.write_prompts(cfg)
+        prompts.write_prompts(cfg)
     msg = str(e.value.code)
     assert msg.startswith("error: the last 8 prompts sampled were all dropped ({'no_end_of_turn': 8}), so ")
     assert "--num-prompts 1000 would never be reached (0 kept in" in msg
@@ -549,8 +549,8 @@ def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monk
     """The probe: --vllm on the tiny target was a VllmError traceback after every dataset had been decoded (vLLM
     refused max_model_len 4096 on a 256-position target: it is the target's context now); the results print first."""
     import evaluate
+    from core.vllm_spec import VllmError
     from tests.test_speculative import tiny_eval_args
-    from tools.vllm_spec import VllmError
 
     def fails(*a, **kw):
         raise VllmError("vLLM exited 1: no vLLM here")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from capture import FeaturesConfig, RegenConfig, _Deadline, features, regenerate, regenerate_batch, reply_slots
+from capture import FeaturesConfig, features
+from core.regenerate import RegenConfig, _Deadline, regenerate, regenerate_batch, reply_slots
 from data.chat import DataError
 from data.feature_store import FeatureStore, open_feature_store
 from tests.test_train_e2e import final_params, run_train, train_rows
@@ -207,7 +208,7 @@ def regen_cfg(target, data, out, **kw):
 
 
 def hf_greedy(model, tokenizer, messages, max_new_tokens):
-    from capture import stop_ids
+    from core.regenerate import stop_ids
 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
@@ -379,15 +380,15 @@ def test_deadline_discards_an_unfinished_batch(tiny_run_inputs):
 def test_regen_output_repair_and_damaged_lines(tmp_path):
     """A partial last line (a crash mid-write) is cut off; a damaged line in the middle stops the
     resume with its file and line number and leaves the file untouched."""
-    from capture import _read_jsonl_repair
+    from core.capture_io import read_jsonl_repair
 
     p = tmp_path / "regen.jsonl"
     p.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "mess')
-    assert [r["id"] for r in _read_jsonl_repair(p)] == [1, 2]
+    assert [r["id"] for r in read_jsonl_repair(p)] == [1, 2]
     assert p.read_text() == '{"id": 1}\n{"id": 2}\n'
     damaged = '{"id": 1}\n{"id": 2, oops\n{"id": 3}\n'
     p.write_text(damaged)
     with pytest.raises(SystemExit, match=r"regen.jsonl:2: not a JSON line"):
-        _read_jsonl_repair(p)
+        read_jsonl_repair(p)
     assert p.read_text() == damaged
-    assert _read_jsonl_repair(tmp_path / "missing.jsonl") == []
+    assert read_jsonl_repair(tmp_path / "missing.jsonl") == []

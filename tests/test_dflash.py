@@ -194,9 +194,9 @@ def test_overfit_tiny_target(objective):
 def test_block_proposer_is_greedy_and_caches_context_exactly():
     """Speculative decoding with a DFlash draft returns the target's greedy tokens, and the
     draft's incrementally extended context k/v equals one computed from scratch."""
+    from core.speculative import TargetRunner, speculative_generate
     from models.dflash import BlockProposer
     from models.proposer import Proposer
-    from speculative import TargetRunner, speculative_generate
 
     draft, *_ = setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)

@@ -1,4 +1,4 @@
-"""Disaggregated online training (disagg/): the control plane in-process, then producers and
+"""Disaggregated online training (core/disagg/): the control plane in-process, then producers and
 consumers as real processes on a tiny target: a killed producer, a killed and restarted
 consumer, back-pressure, the loss of every producer, two consumer ranks, and the loss curve of
 the colocated run."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.disagg.control import Controller, PipelineError, plan_items
 from data.datasets import GlobalBatches
 from data.feature_store import SampleRef
-from disagg.control import Controller, PipelineError, plan_items
 from tests.test_train_e2e import final_params, run_train
 from tests.tiny import TINY_TRAIN
 
@@ -145,7 +145,7 @@ def test_rollback_requeues_untrained_steps(tmp_path):
 
 
 def test_yaml_config_with_overrides(tmp_path):
-    from config import cli
+    from core.config import cli
     from train import TrainConfig
 
     y = tmp_path / "run.yaml"

@@ -116,9 +116,9 @@ def test_overfit_tiny_target():
 
 def test_speculation_is_greedy_exact_and_checkpoint_loads(tmp_path):
     import export
+    from core.speculative import TargetRunner, proposer_for, speculative_generate
     from models.families import load_draft
     from models.proposer import Proposer
-    from speculative import TargetRunner, proposer_for, speculative_generate
     from tests.tiny import tiny_llama
 
     draft, *_ = domino_setup(seed=5, K=3)

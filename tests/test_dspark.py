@@ -122,9 +122,9 @@ def test_overfit_target_generated_data():
 
 @pytest.mark.parametrize("min_survival", [0.0, 0.5])
 def test_speculation_is_greedy_exact(min_survival):
+    from core.speculative import TargetRunner, proposer_for, speculative_generate
     from models.dspark import DSparkProposer
     from models.proposer import Proposer
-    from speculative import TargetRunner, proposer_for, speculative_generate
 
     draft, *_ = dspark_setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)

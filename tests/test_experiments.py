@@ -297,9 +297,9 @@ def test_train_flags_come_from_train_config():
     as that config through train.py's own CLI; multi_gpu.py builds its runs' flags so."""
     from types import SimpleNamespace
 
-    from config import cli, to_flags
+    from core.config import DeployConfig, cli, to_flags
+    from core.train_config import TrainConfig
     from experiments.multi_gpu import train_flags
-    from train import DeployConfig, TrainConfig
 
     cfg = TrainConfig(
         steps=3,

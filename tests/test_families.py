@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from core.speculative import TargetRunner, proposer_for, speculative_generate
 from data.datasets import collate
 from export import export, load_checkpoint, load_exported
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.proposer import Proposer
-from speculative import TargetRunner, proposer_for, speculative_generate
 from tests.test_packing import _draft_setup, _strategy_step
 from train import ConfigError, TrainConfig, validate
 

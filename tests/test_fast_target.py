@@ -283,7 +283,7 @@ def test_backend_auto_picks_compiled_on_gpu_where_it_builds(tmp_path):
     hf with the reason otherwise, and always hf on CPU (the reference; compiling pays only on a GPU)."""
     import json
 
-    from features import load_target, pick_backend
+    from core.features import load_target, pick_backend
 
     llama = tmp_path / "llama"
     hf_model("llama").save_pretrained(llama)

@@ -5,8 +5,8 @@ Every .py outside tests/ that git tracks or would track is parsed (ast, no impor
 is a dependency too: a type-only cycle still ties two modules together), is an
 edge to the project module it names (`from x import y` goes to x.y when that is a module, else to x). Four rules:
 - no cycles;
-- a library module never imports an entry script (the scripts a user runs: train.py, capture.py,
-  export.py, evaluate.py, gate.py, experiments/, tools/);
+- a library module (core/, models/, data/, kernels/) never imports an entry script (the scripts a user runs:
+  train.py, capture.py, export.py, evaluate.py, gate.py, experiments/, tools/);
 - nothing outside tests/ imports tests/ (what scripts share with the tests lives in the library, e.g. models/tiny.py);
 - the bottom layers import down only: data/ and kernels/ nothing else of the project, models/ only them.
 """
@@ -17,19 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # library modules; every other module is an entry script
-LIBRARY = (
-    "batched_chain",
-    "config",
-    "distributed",
-    "features",
-    "optim",
-    "runlog",
-    "speculative",
-    "data",
-    "disagg",
-    "kernels",
-    "models",
-)
+LIBRARY = ("core", "data", "kernels", "models")
 
 
 def module_name(rel: Path) -> str:
@@ -116,8 +104,8 @@ def imports_of_tests(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_project_imports_run_one_way():
     graph = project_graph()
-    assert {"train", "capture", "disagg.roles", "config", "distributed"} <= graph.keys()
-    assert "distributed" in graph["capture"] and "distributed" in graph["train"]  # the parser sees real edges
+    assert {"train", "capture", "core.disagg.roles", "core.config", "core.distributed"} <= graph.keys()
+    assert "core.distributed" in graph["capture"] and "core.distributed" in graph["train"]  # the parser sees real edges
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
     assert library_to_entry(graph) == [], "library modules import entry scripts"
 
@@ -154,30 +142,30 @@ def test_nothing_outside_tests_imports_tests():
 
 def test_checker_finds_cycles_and_upward_imports(tmp_path):
     """The checks can fail: a cycle closed by a function-local import, one closed by a type-only import
-    (`if TYPE_CHECKING:`, as models/moe.py once had with models/eagle3.py), and a library module (disagg/)
+    (`if TYPE_CHECKING:`, as models/moe.py once had with models/eagle3.py), and a library module (core/)
     importing an entry script (train.py)."""
-    (tmp_path / "disagg").mkdir()
-    (tmp_path / "disagg" / "__init__.py").write_text("")
-    (tmp_path / "disagg" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
-    (tmp_path / "disagg" / "control.py").write_text("from . import roles\nfrom .roles import f\n")
-    (tmp_path / "train.py").write_text("import torch\nimport disagg.roles\n")
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "__init__.py").write_text("")
+    (tmp_path / "core" / "roles.py").write_text("import os\n\ndef f():\n    from train import Trainer\n")
+    (tmp_path / "core" / "control.py").write_text("from . import roles\nfrom .roles import f\n")
+    (tmp_path / "train.py").write_text("import torch\nimport core.roles\n")
     (tmp_path / "capture.py").write_text(
-        "from typing import TYPE_CHECKING\nfrom disagg import control\nif TYPE_CHECKING:\n    import train\n"
+        "from typing import TYPE_CHECKING\nfrom core import control\nif TYPE_CHECKING:\n    import train\n"
     )
     (tmp_path / "moe.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from eagle3 import C\n")
     (tmp_path / "eagle3.py").write_text("from moe import MoEMLP\n")
-    names = ("disagg/__init__.py", "disagg/roles.py", "disagg/control.py", "train.py", "capture.py")
+    names = ("core/__init__.py", "core/roles.py", "core/control.py", "train.py", "capture.py")
     graph = import_graph(tmp_path, [Path(p) for p in names])
     assert graph == {
-        "disagg": set(),
-        "disagg.roles": {"train"},
-        "disagg.control": {"disagg.roles"},
-        "train": {"disagg.roles"},
-        "capture": {"disagg.control", "train"},
+        "core": set(),
+        "core.roles": {"train"},
+        "core.control": {"core.roles"},
+        "train": {"core.roles"},
+        "capture": {"core.control", "train"},
     }
     assert find_cycle(import_graph(tmp_path, [Path("moe.py"), Path("eagle3.py")])) == ["eagle3", "moe", "eagle3"]
-    assert find_cycle(graph) == ["disagg.roles", "train", "disagg.roles"]
-    assert library_to_entry(graph) == [("disagg.roles", "train")]
-    graph["disagg.roles"].clear()  # the fix: roles gets the Trainer as an argument
+    assert find_cycle(graph) == ["core.roles", "train", "core.roles"]
+    assert library_to_entry(graph) == [("core.roles", "train")]
+    graph["core.roles"].clear()  # the fix: roles gets the Trainer as an argument
     assert find_cycle(graph) is None and library_to_entry(graph) == []
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]

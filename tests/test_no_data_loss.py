@@ -205,11 +205,11 @@ def test_regenerate_refuses_other_provenance(tmp_path, tiny_run_inputs):
 
 
 def test_resume_repair_keeps_a_whole_last_record(tmp_path):
-    from capture import _read_jsonl_repair
+    from core.capture_io import read_jsonl_repair
 
     p = tmp_path / "r.jsonl"
     p.write_text('{"id": 1}\n{"id": 2}')  # whole, only its newline missing
-    assert [r["id"] for r in _read_jsonl_repair(p)] == [1, 2]
+    assert [r["id"] for r in read_jsonl_repair(p)] == [1, 2]
     assert p.read_text() == '{"id": 1}\n{"id": 2}\n'
 
 

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from optim import MuonAdamW, muon_groups, muon_matrix, newton_schulz
+from core.optim import MuonAdamW, muon_groups, muon_matrix, newton_schulz
 from tests.test_train_e2e import assert_runs_agree, run_train, train_rows
 
 

@@ -553,7 +553,7 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
 def test_throughput_windows(monkeypatch):
     """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints);
     MFU = model FLOPs / time / peak."""
-    import runlog
+    from core import runlog
 
     clock = [0.0]
     monkeypatch.setattr(runlog.time, "perf_counter", lambda: clock[0])

@@ -146,9 +146,9 @@ def test_flex_forward_equals_dense():
 
 
 def test_parallel_proposer_is_greedy():
+    from core.speculative import TargetRunner, speculative_generate
     from models.peagle import PEagleProposer
     from models.proposer import Proposer
-    from speculative import TargetRunner, speculative_generate
 
     draft, *_ = setup(seed=4, K=4)
     hf = tiny_llama(seed=4, hidden=32, heads=4)
@@ -203,8 +203,8 @@ def test_export_vllm_format_and_load_back(tmp_path):
     assert isinstance(back, PEagleDraft) and back.config == draft.config
     for k, v in draft.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+    from core.speculative import TargetRunner, speculative_generate
     from models.peagle import PEagleProposer
-    from speculative import TargetRunner, speculative_generate
 
     runner = TargetRunner(hf, draft.config.aux_layers)
     prompt = [3, 17, 5, 60, 2, 9, 41, 8]

@@ -3,7 +3,7 @@ the commit that later holds exactly those files (how a device run, made on top o
 
 import subprocess
 
-from runlog import git_commit
+from core.runlog import git_commit
 
 
 def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
@@ -34,7 +34,7 @@ def test_heartbeat_says_when_nothing_finishes():
     """runlog.Heartbeat: one line per quiet interval, naming the last thing done; marks keep it silent."""
     import time
 
-    from runlog import Heartbeat
+    from core.runlog import Heartbeat
 
     said = []
     hb = Heartbeat(0.4, said.append)

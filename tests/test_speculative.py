@@ -5,10 +5,10 @@ Tiny random Llama targets here; the real SmolLM2 in the slow tests."""
 import pytest
 import torch
 
+from core.speculative import NgramProposer, SpecStats, TargetRunner, speculative_generate
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
 from models.proposer import Proposer, Tree
 from models.target import Target
-from speculative import NgramProposer, SpecStats, TargetRunner, speculative_generate
 from tests.tiny import tiny_llama
 
 

@@ -93,7 +93,7 @@ def test_vllm_reads_both_formats_alike(tmp_path, family):
     export writes, on every field its loaders read."""
     import importlib.util
 
-    from tools.vllm_spec import DEFAULT_VENV, ensure_venv
+    from core.vllm_spec import DEFAULT_VENV, ensure_venv
 
     ensure_venv(DEFAULT_VENV)  # built here if no earlier test did (the gate tests build it too)
     algos = next(DEFAULT_VENV.glob("lib/python3*/site-packages/vllm/transformers_utils/configs/speculators/algos.py"))
@@ -220,9 +220,9 @@ def test_vllm_serves_the_speculators_export_like_ours(tmp_path, smollm2_dir, smo
     give plain greedy decoding's tokens and the same spec-decode counters."""
     from transformers import AutoModelForCausalLM
 
+    from core.speculative import Proposer, TargetRunner, speculative_generate
+    from core.vllm_spec import run_job
     from evaluate import load_prompts, render
-    from speculative import Proposer, TargetRunner, speculative_generate
-    from tools.vllm_spec import run_job
 
     draft = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle3"
     ck = export.import_draft(draft, tmp_path / "run", target=str(smollm2_dir))

@@ -213,7 +213,8 @@ def test_auto_batch_tokens():
     rows; conversations on CPU, unpacked, explicit values kept, disaggregated runs keep -1 (conversations there)."""
     import dataclasses
 
-    from train import DeployConfig, TrainConfig, auto_batch_tokens
+    from core.config import DeployConfig
+    from core.train_config import TrainConfig, auto_batch_tokens
 
     cfg = TrainConfig(batch_size=8, max_len=512)
     assert cfg.batch_tokens == -1

@@ -1,4 +1,4 @@
-"""--backend vllm: features from a vLLM engine (features.VllmTarget, tools/vllm_features.py).
+"""--backend vllm: features from a vLLM engine (features.VllmTarget, core/vllm_features.py).
 
 Cheap tests of our side run without vLLM: a fake worker writes the files vLLM's hidden-states
 connector writes ({hidden_states [n, len(ids), H], token_ids}, vLLM id k = the input of layer k,
@@ -15,15 +15,15 @@ import torch
 from safetensors.torch import save_file
 
 from capture import FeaturesConfig, features
+from core.features import VllmTarget, _runs, capture_examples, open_for_training, read_hidden
 from data.feature_store import open_feature_store
 from data.packing import pack
-from features import VllmTarget, _runs, capture_examples, open_for_training, read_hidden
 from models.target import Target, load_heads
 from tests.tiny import random_examples, tiny_llama
 
 
 class FakeWorker:
-    """tools/vllm_features.FeatureWorker's interface over an HF model: the connector's files."""
+    """core/vllm_features.FeatureWorker's interface over an HF model: the connector's files."""
 
     def __init__(self, model, layer_ids, root):
         self.model, self.ids, self.root, self.n = model, layer_ids, root, 0

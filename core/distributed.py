@@ -1,4 +1,4 @@
-"""Devices and process groups: what train.py, capture.py and disagg/ share.
+"""Devices and process groups: what train.py, capture.py and core/disagg/ share.
 
 Under torchrun (RANK set) init_distributed() joins the process group (NCCL on GPU, gloo on CPU);
 without it everything here is a no-op, so the same code runs one process.

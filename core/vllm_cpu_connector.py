@@ -1,5 +1,5 @@
 """vLLM's ExampleHiddenStatesConnector, copying on the CPU. Imported only inside the vLLM venv
-(by vLLM, through kv_connector_module_path; tools/vllm_features.py sets it up).
+(by vLLM, through kv_connector_module_path; core/vllm_features.py sets it up).
 
 The stock connector (vLLM 0.32) extracts a finished request's hidden states from the cache on a
 CUDA stream into pinned host memory and records a CUDA event that get_finished() polls; the CPU

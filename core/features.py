@@ -1,9 +1,9 @@
 """Target features for the draft: the frozen target run over tokenized examples, packed as one
 FeatureStore shard (data/feature_store.py). Written offline by `capture.py features` and online by
-the disaggregated producers (disagg/roles.py).
+the disaggregated producers (core/disagg/roles.py).
 
 The target forward is ours (models/target.Target over transformers; --backend hf, the reference)
-or vLLM's (VllmTarget: --backend vllm, a vLLM engine in its own venv, tools/vllm_features.py):
+or vLLM's (VllmTarget: --backend vllm, a vLLM engine in its own venv, core/vllm_features.py):
 both return the same Features, so the store, the producers and the trainer do not tell them apart."""
 
 import fcntl
@@ -92,7 +92,7 @@ def load_target(
     tp_mesh=None,
 ):
     """The target for --backend (max_len: the longest sample, which vLLM must accept). vllm_target:
-    tools/vllm_features.vllm_target, passed in by the entry scripts (vLLM's venv and layer ids belong
+    core/vllm_features.vllm_target, passed in by the entry scripts (vLLM's venv and layer ids belong
     to tools/ and export.py, which library code does not import). tp_mesh: the compiled target split
     over it by tensor parallelism (train.py --tp)."""
     if backend == "auto":
@@ -112,14 +112,14 @@ def load_target(
         return target
     if backend == "vllm":
         if vllm_target is None:
-            raise ValueError("--backend vllm: the caller passes tools/vllm_features.vllm_target")
+            raise ValueError("--backend vllm: the caller passes core/vllm_features.vllm_target")
         return vllm_target(spec, aux_layers, dtype, device, max_len)
     raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 class VllmTarget(TargetHeads):
     """The target run by vLLM: Target's Features from vLLM's own forward (a long-lived engine,
-    tools/vllm_features.FeatureWorker; built by tools/vllm_features.vllm_target). It asks vLLM for
+    core/vllm_features.FeatureWorker; built by core/vllm_features.vllm_target). It asks vLLM for
     the aux layers' outputs and the last layer's output, which vLLM gives before the final norm:
     the norm is applied here (loaded with the embeddings and lm_head, which the trainer needs
     anyway), so final_hidden means what it means for Target and logits = lm_head(final_hidden)
@@ -169,7 +169,7 @@ def _runs(doc: list[int]) -> list[tuple[int, int]]:
 
 
 def read_hidden(files: list[Path], prompts: list[list[int]]) -> list[torch.Tensor]:
-    """The connector's files (tools/vllm_features.py), one per prompt: hidden states
+    """The connector's files (core/vllm_features.py), one per prompt: hidden states
     [n, len(layer ids), H] each; the files and their lock files are deleted. A file whose
     token ids are not its prompt's is an error (a mix-up must not become training data)."""
     from safetensors.torch import load_file

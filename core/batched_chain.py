@@ -1,5 +1,5 @@
 """EAGLE-3 chain drafting for a batch of prompts at once: the same per-prompt steps as
-speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
+core/speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
 
 Why: batch-1 decoding is launch-bound on a GPU (the H200 spent 39 ms per verification step of
 SmolLM2-135M, almost all of it kernel launches and Python) and weight-bandwidth-bound on a CPU (each
@@ -17,8 +17,8 @@ may round differently, so near-ties can resolve differently (tests compare in fl
 
 import torch
 
+from core.speculative import SpecStats, cache_kwarg, trim_output
 from models.eagle3 import Eagle3Draft
-from speculative import SpecStats, cache_kwarg, trim_output
 
 
 def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""vLLM as the feature producer: a long-lived vLLM engine (its own venv, like tools/vllm_spec.py)
+"""vLLM as the feature producer: a long-lived vLLM engine (its own venv, like core/vllm_spec.py)
 that runs prompts through the target and hands back its hidden states at chosen layer ids.
 
 vLLM's `extract_hidden_states` speculative method caches the target's hidden states at
@@ -6,7 +6,7 @@ vLLM's `extract_hidden_states` speculative method caches the target's hidden sta
 before the final norm) and a KV connector writes them per request to a safetensors file
 {"hidden_states": [n, len(ids), H], "token_ids": [n]}. The stock ExampleHiddenStatesConnector
 copies through CUDA streams into pinned memory, which the CPU build cannot do:
-tools/vllm_cpu_connector.py is the same connector writing from the CPU (used where vLLM sees no
+core/vllm_cpu_connector.py is the same connector writing from the CPU (used where vLLM sees no
 GPU; on a GPU the stock one). Written for vLLM 0.32; the GPU path is not tested here (no GPU
 build of vLLM on this machine).
 
@@ -15,7 +15,7 @@ loaded 2-core CPU, then feed it batches) and `vllm_target` (the features.VllmTar
 capture.py, train.py and the producers use for --backend vllm; it imports torch when called), and
 `main`, which runs inside the venv:
 
-    .venv-vllm/bin/python tools/vllm_features.py job.json REPLY_FD < requests
+    .venv-vllm/bin/python core/vllm_features.py job.json REPLY_FD < requests
 
 job.json: {"target": dir, "layer_ids": [vLLM ids], "dtype": "float32", "max_model_len": N,
            "storage": dir, "gpu_memory_utilization" (GPU only)}
@@ -33,11 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv
+from core.vllm_spec import DEFAULT_VENV, VllmError, ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CONNECTOR = "CpuHiddenStatesConnector"  # in tools/vllm_cpu_connector.py
+CONNECTOR = "CpuHiddenStatesConnector"  # in core/vllm_cpu_connector.py
 
 
 # ---- caller side ----
@@ -85,7 +85,7 @@ class FeatureWorker:
         r, w = os.pipe()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [str(py), __file__, str(root / "job.json"), str(w)],
+            [str(py), "-m", "core.vllm_features", str(root / "job.json"), str(w)],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -140,7 +140,7 @@ def vllm_target(spec, aux_layers=None, dtype=None, device="cpu", max_len: int = 
     import torch
     from transformers import AutoConfig
 
-    from features import VllmTarget
+    from core.features import VllmTarget
     from models.engines import engine_aux_ids  # every engine's layer ids are converted there
     from models.target import default_aux_layers, load_heads, resolve_target
 
@@ -180,7 +180,7 @@ def main(job_path: str, reply_fd: str):
         connector = (
             {"kv_connector": "ExampleHiddenStatesConnector"}
             if torch.cuda.is_available()
-            else {"kv_connector": CONNECTOR, "kv_connector_module_path": "tools.vllm_cpu_connector"}
+            else {"kv_connector": CONNECTOR, "kv_connector_module_path": "core.vllm_cpu_connector"}
         )
         extra = {k: job[k] for k in ("gpu_memory_utilization",) if k in job}
         llm = LLM(

@@ -30,18 +30,18 @@ from pathlib import Path
 
 import torch
 
-from config import dump_yaml
+from core.config import dump_yaml
+from core.disagg.control import Controller, PipelineError, plan_items
+from core.disagg.mooncake_store import MooncakeFeatureStore, start_master
+from core.distributed import destroy, pick_device
+from core.features import capture_examples, load_target, target_identity
 from data.chat import DataError
 from data.datasets import build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
 from data.packing import plan_batches
-from disagg.control import Controller, PipelineError, plan_items
-from disagg.mooncake_store import MooncakeFeatureStore, start_master
-from distributed import destroy, pick_device
-from features import capture_examples, load_target, target_identity
 from models.target import default_aux_layers, fingerprint, load_heads, load_tokenizer, resolve_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py's folder
 
 
 def control_dir(cfg) -> Path:
@@ -200,7 +200,7 @@ def consumer_target(target_dir, aux_layers, dtype, device):
 
 
 def consumer_class(Trainer):
-    """train.py's Trainer (passed in: disagg/ does not import the entry script) with the consumer's hooks."""
+    """train.py's Trainer (passed in: core/disagg/ does not import the entry script) with the consumer's hooks."""
 
     class Consumer(Trainer):
         """Trainer whose features come from the producers, one optimizer step at a time."""

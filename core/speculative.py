@@ -96,7 +96,7 @@ class SpecStats:
     def summary(self) -> dict:
         d = max(self.drafts, 1)
         tau = 1 + self.accepted / d
-        timed = self.target_seconds > 0  # batched_chain.py does not time its steps
+        timed = self.target_seconds > 0  # core/batched_chain.py does not time its steps
         c = self.draft_seconds / self.target_seconds if timed else None
         return {
             "tau": tau,

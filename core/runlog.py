@@ -3,15 +3,24 @@ TensorBoard scalars, and the checkpoint directory layout (write_checkpoint). Onl
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
+
+from core.distributed import all_sum
+
+# --time-limit counts from here: the import of this module, before train.py has read its data, loaded the target
+# or compiled anything (start-up is part of the limit)
+STARTED = time.monotonic()
 
 
 def git_commit(root: Path | None = None) -> str:
@@ -19,7 +28,7 @@ def git_commit(root: Path | None = None) -> str:
     and untracked, not ignored): "<sha>+dirty tree <tree>". The device machine runs a copy of the working
     tree on top of an older HEAD, so only the tree names the code that ran: the commit that holds it is
     `git log --format='%H %T' | grep <tree>`."""
-    root = root or Path(__file__).resolve().parent
+    root = root or Path(__file__).resolve().parents[1]
     git = lambda *a, **kw: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, check=True, **kw)  # noqa: E731
     try:
         sha = git("rev-parse", "HEAD").stdout.strip()
@@ -383,3 +392,43 @@ class Heartbeat:
     def close(self):
         self._stop.set()
         self._thread.join()
+
+
+class StopRequest:
+    """--time-limit, SIGTERM and SIGINT: whether to stop, with a checkpoint, after the current step. The first
+    SIGTERM or Ctrl-C only raises a flag (a second one acts as before: SIGTERM kills, Ctrl-C raises
+    KeyboardInterrupt); every rank must stop at the same step, so on several ranks the flags are summed at log
+    steps (where the loop syncs anyway), on one rank read each step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, time_limit: float, device: torch.device, world: int):
+        self.deadline = STARTED + time_limit if time_limit else math.inf
+        self.device, self.world = device, world
+        self.signalled = ""  # the name of the first signal received
+        self.previous = {}  # the handlers before ours (SIG_DFL where not set from Python); empty: not ours
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
+            for s in self.SIGNALS:
+                before = signal.signal(s, self.on_signal)
+                self.previous[s] = signal.SIG_DFL if before is None else before
+
+    def on_signal(self, signum, frame):
+        self.signalled = self.signalled or signal.Signals(signum).name
+        signal.signal(signum, self.previous[signum])
+        # os.write, not print: a handler may run in the middle of a print on the main thread
+        os.write(2, f"\n[stop] {self.signalled}: stopping after this step (send it again to stop now)\n".encode())
+
+    def why(self, check_ranks: bool) -> str:
+        """Why to stop now ('' = go on); with several ranks only where check_ranks (the same step on all)."""
+        mine = self.signalled or ("--time-limit" if time.monotonic() >= self.deadline else "")
+        if self.world == 1:
+            return mine
+        if not check_ranks:
+            return ""
+        flag = all_sum(torch.tensor([float(bool(mine))], device=self.device))
+        return mine or ("another rank's stop" if flag.item() else "")
+
+    def close(self):
+        for s, before in self.previous.items():
+            if signal.getsignal(s) == self.on_signal:
+                signal.signal(s, before)

