@@ -189,7 +189,8 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
     env = None
     if mode.startswith("tokens"):
         cfg = dataclasses.replace(cfg, batch_tokens=a.harness_batch * a.max_len)
-        if mode == "tokens-compile":  # past packing_blocker's GPU guard (core/train_config.py): this run is the measurement
+        # past packing_blocker's GPU guard (core/train_config.py): this run is the measurement
+        if mode == "tokens-compile":
             env = {**os.environ, "NANOSPEC_TRY_PACK_COMPILE": "1"}
     cmd = [sys.executable, "train.py", *to_flags(cfg), *a.extra]
     t = time.time()
