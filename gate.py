@@ -177,6 +177,11 @@ def check_options(cfg: GateConfig):
         )
     if cfg.vllm_timeout > 30 * 86400:  # 10**12 was an OverflowError traceback from subprocess, after stage 2
         raise InputError(f"--vllm-timeout must be at most {30 * 86400} seconds (30 days), got {cfg.vllm_timeout}")
+    if cfg.min_trainable > cfg.max_len - 2:  # 10**12 scanned every record, then 'no valid sample'
+        raise InputError(
+            f"--min-trainable {cfg.min_trainable} can never be met: the sample is one row of --max-len {cfg.max_len} "
+            f"tokens, of which at most {cfg.max_len - 2} are trained"
+        )
     if cfg.k > cfg.response_tokens:  # -k 10**12 drafted until killed
         raise InputError(f"--k {cfg.k} drafts more tokens a step than the {cfg.response_tokens} --response-tokens")
     for name, ok, rng in (
@@ -211,6 +216,22 @@ def check_options(cfg: GateConfig):
     if cfg.strategy not in served:
         raise InputError(
             f"--strategy {cfg.strategy!r}: the gate serves a draft on vLLM, which loads {', '.join(served)}"
+        )
+
+
+def check_draft_vocab(cfg: GateConfig):
+    """--draft-vocab-size past the target's vocabulary, before stage 1: it failed stage 2 with train.py's error line
+    after the sample was chosen. A .gguf target (the packaged one too) is converted at stage 1, and train.py checks
+    it there."""
+    from models.target import config_int
+
+    target = Path(cfg.target)
+    if cfg.ckpt or not (target / "config.json").is_file():
+        return
+    if (v := config_int(target, "vocab_size")) and cfg.draft_vocab_size > v:
+        raise InputError(
+            f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({v} tokens in "
+            f"{target / 'config.json'}): the draft vocabulary is a subset of the target's"
         )
 
 
@@ -543,6 +564,7 @@ def main(cfg: GateConfig) -> int:
             raise InputError(f"--target {cfg.target} is {kind}, not a target model (a Hugging Face model dir, a .gguf)")
         if kind := output_kind(cfg.data):  # a checkpoint or an export was read as records: 'no valid sample'
             raise InputError(f"--data {cfg.data} is {kind}, not chats (a ShareGPT/messages JSON or JSONL)")
+        check_draft_vocab(cfg)
         if cfg.ckpt:
             ckpt = Path(cfg.ckpt)
             sample = load_sample(Path(cfg.sample)) if cfg.sample else None

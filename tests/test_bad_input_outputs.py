@@ -222,6 +222,16 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
             "one training row)",
         ),
         ({"k": 10**12}, "error: --k 1000000000000 drafts more tokens a step than the 48 --response-tokens"),
+        # the probe: both scanned every record, then failed stage 1 ('no valid sample') or stage 2 (train.py's line)
+        (
+            {"min_trainable": 10**12},
+            "error: --min-trainable 1000000000000 can never be met: the sample is one row of --max-len 256 tokens, of "
+            "which at most 254 are trained",
+        ),
+        (
+            {"target": "TINY", "draft_vocab_size": 10**6},
+            "error: --draft-vocab-size 1000000 is larger than the target's vocabulary",
+        ),
         (
             {"vllm_timeout": 10**12},
             "error: --vllm-timeout must be at most 2592000 seconds (30 days), got 1000000000000",
@@ -234,7 +244,9 @@ def test_gate_ckpt_of_the_wrong_kind(tmp_path, capsys, given, message):
         ),
     ],
 )
-def test_gate_refuses_bad_options_before_loading(tmp_path, capsys, kw, message):
+def test_gate_refuses_bad_options_before_loading(tmp_path, capsys, tiny_run_inputs, kw, message):
+    if kw.get("target") == "TINY":  # a real target dir: its config.json names the vocabulary
+        kw = {**kw, "target": str(tiny_run_inputs[0])}
     gate_fails(capsys, message, **{"out": str(tmp_path / "g"), "target": "/no/target", **kw})
     assert json.loads((tmp_path / "g" / "gate.json").read_text())["failed_stage"] == "input"
 
