@@ -314,8 +314,7 @@ def check_writable(flag: str, path: Path):
     """A file written after minutes of decoding (--out appended to, --resume-file replaced through a temporary
     beside it) that cannot be is refused now: they were tracebacks at the end (a --resume-file in a directory
     that did not exist lost the decoding). Nothing is created: a probe file in the nearest existing directory."""
-    import os
-    import tempfile
+    from core.runlog import probe_write
 
     where = path.parent
     while not where.exists() and where != where.parent:
@@ -323,9 +322,7 @@ def check_writable(flag: str, path: Path):
     try:
         if path.is_file():
             open(path, "a").close()  # appending nothing: writable, its lines untouched
-        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
-        os.close(fd)
-        os.unlink(probe)
+        probe_write(where)
     except OSError as e:
         raise SystemExit(f"error: {flag} {path}: cannot write there ({e.strerror or e})") from None
 

@@ -35,7 +35,6 @@ refused if it differs from the target's; speculators' verifier_* copies are drop
 not implement fail (the layouts say which).
 """
 
-import errno
 import hashlib
 import json
 import shutil
@@ -49,7 +48,7 @@ import torch
 import tyro
 
 from core.distributed import DTYPES
-from core.runlog import RUN_FILES, clear_previous_run, previous_run, write_checkpoint
+from core.runlog import RUN_FILES, clear_previous_run, os_why, previous_run, write_checkpoint
 from models.engines import ENGINES, ROPE_FIELDS, ExportError
 from models.engines import engine_aux_ids as engine_aux_ids  # re-exported: tools and tests import it from here
 from models.families import FAMILIES, family_of
@@ -321,16 +320,6 @@ def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"--out {out}: cannot write the serving dir there ({os_why(e)})") from None
     return out
-
-
-def os_why(e: OSError) -> str:
-    """An OSError in words a user acts on."""
-    return {
-        errno.EROFS: "it is on a read-only file system",
-        errno.EACCES: "no permission to write there",
-        errno.EPERM: "no permission to write there",
-        errno.ENOSPC: "no space left on the device",
-    }.get(e.errno, e.strerror or str(e))
 
 
 def vllm_method(family: str) -> tuple[str, dict]:

@@ -130,10 +130,7 @@ def out_problem(out: Path) -> str | None:
     """Why --out cannot take a gate run (None: it can), before anything is written or loaded: a file or an
     unwritable place was a traceback, and another command's output or a folder of other files would have had
     its train/ replaced and its train.jsonl or sample.json overwritten (`--out runs` took runs/train)."""
-    import os
-    import tempfile
-
-    from core.runlog import output_kind
+    from core.runlog import output_kind, probe_write
 
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a directory"
@@ -148,9 +145,7 @@ def out_problem(out: Path) -> str | None:
         )
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
-        os.close(fd)
-        os.unlink(probe)
+        probe_write(out)
     except OSError as e:
         return f"--out {out}: cannot write there ({e.strerror or e})"
     return None

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from core.runlog import output_kind
+from core.runlog import os_why, output_kind, probe_write
 from models.target import past_context
 
 
@@ -15,8 +15,6 @@ def check_out(out: Path, is_dir: bool):
     """--out before anything is loaded: a store directory (features) or an output file (regenerate,
     prompts) that can be written, as one error line (they were a PermissionError or an OSError from a
     mkdir deep in the run, after the target had loaded). Nothing of an existing --out is changed."""
-    import errno
-    import tempfile
 
     if not is_dir and out.is_dir():
         raise SystemExit(f"error: --out {out} is a directory; give a file name")
@@ -28,19 +26,11 @@ def check_out(out: Path, is_dir: bool):
     if not where.is_dir():
         raise SystemExit(f"error: --out {out}: {where} is a file, not a directory")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
-        os.close(fd)
-        os.unlink(probe)
+        probe_write(where)
         if not is_dir and out.exists():
             open(out, "ab").close()  # appending nothing: the file is writable, its bytes untouched
     except OSError as e:
-        why = {
-            errno.EROFS: "it is on a read-only file system",
-            errno.EACCES: "no permission to write there",
-            errno.EPERM: "no permission to write there",
-            errno.ENOSPC: "no space left on that device",
-        }.get(e.errno, e.strerror or str(e))
-        raise SystemExit(f"error: --out {out}: cannot write there: {why}") from None
+        raise SystemExit(f"error: --out {out}: cannot write there: {os_why(e)}") from None
 
 
 def check_inputs(target: str, data: str | None = None):

@@ -2,6 +2,7 @@
 TensorBoard scalars, and the checkpoint directory layout (write_checkpoint). Only rank 0 writes."""
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -21,6 +22,24 @@ from core.distributed import all_sum
 # --time-limit counts from here: the import of this module, before train.py has read its data, loaded the target
 # or compiled anything (start-up is part of the limit)
 STARTED = time.monotonic()
+
+
+def os_why(e: OSError) -> str:
+    """A failed write's OSError in words a user acts on."""
+    return {
+        errno.EROFS: "it is on a read-only file system",
+        errno.EACCES: "no permission to write there",
+        errno.EPERM: "no permission to write there",
+        errno.ENOSPC: "no space left on the device",
+    }.get(e.errno, e.strerror or str(e))
+
+
+def probe_write(where: Path):
+    """Create and remove a temporary file in the directory `where`: raises the OSError a write there would (read-only,
+    no permission, ...) before a command spends minutes whose output it could not keep."""
+    fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=where)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def git_commit(root: Path | None = None) -> str:

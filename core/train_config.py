@@ -5,11 +5,9 @@ is this run's, a finished run's with --resume or --overwrite, or new). Library c
 build train.py's flags from it (core/config.py to_flags) without importing the script."""
 
 import dataclasses
-import errno
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -17,7 +15,7 @@ from typing import Annotated
 import tyro
 
 from core.config import DeployConfig
-from core.runlog import RUN_FILES, output_kind, previous_run
+from core.runlog import RUN_FILES, os_why, output_kind, previous_run, probe_write
 from data.datasets import DEFAULT_DATA
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION
@@ -450,17 +448,9 @@ def check_out(cfg: TrainConfig, rank: int = 0):
             raise ConfigError(f"--out {out}: {base} is a file, not a directory")
         try:
             out.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
-            os.close(fd)
-            os.unlink(probe)
+            probe_write(out)
         except OSError as e:
-            why = {
-                errno.EROFS: "it is on a read-only file system",
-                errno.EACCES: "no permission to write there",
-                errno.EPERM: "no permission to write there",
-                errno.ENOSPC: "no space left on that device",
-            }.get(e.errno, e.strerror or str(e))
-            raise ConfigError(f"--out {out}: cannot write the run there: {why}") from None
+            raise ConfigError(f"--out {out}: cannot write the run there: {os_why(e)}") from None
     if cfg.resume:
         if not (ck := checkpoints(out)):
             again = (
