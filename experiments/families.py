@@ -76,7 +76,7 @@ def columns(ks) -> list[str]:
 @dataclass
 class FamiliesArgs(SweepArgs):
     data: str = "sharegpt-greedy"
-    """the shipped draft's data (drafts/smollm2-135m-eagle3/provenance.json)"""
+    """v3, the regenerated ShareGPT (train.py's default; the shipped draft adds the domain mix, data/smollm2_domains)"""
     num_records: int = 0
     holdout: int = 256
     max_len: int = 1024

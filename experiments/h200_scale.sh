@@ -104,8 +104,8 @@ case $PHASE in
     [[ -n ${SHIPPED:-} && -z ${RESUME:-} ]] && (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T \
       $EVAL --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
     # RUNS: name:data dir:draft vocabulary:steps; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
-    # (b reached step 1,600); next: the mix alone at the shipped draft's 5,600 steps (the shipped draft is the
-    # v3 file at 5,600: the control). Alone it runs ~10.8 steps/s, two calls; two runs share the GPU at ~6 each
+    # (b reached step 1,600), then a:mix_data:8192:5600 alone (the shipped draft since 2026-12-04, two calls,
+    # ~9.8 steps/s alone; two runs share the GPU at ~6 each). Next: b:mix_data:16384:5600 against it
     jobs=()
     for v in ${RUNS:-a:mix_data:8192:5600}; do
       IFS=: read -r name dir vocab steps <<< "$v"; R=$W/run_$name

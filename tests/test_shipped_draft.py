@@ -20,7 +20,7 @@ def test_shipped_draft_fits_the_default_target_only(smollm2_dir, smollm2_tokeniz
     tc = json.loads((smollm2_dir / "config.json").read_text())
     assert meta["target"] == "smollm2" and target_mismatch(draft.config, tc, smollm2_tokenizer, meta) == []
     prov = json.loads((DRAFT / "provenance.json").read_text())
-    assert prov["heldout"]["acc_0"] >= 0.70 and prov["data"] == "sharegpt-greedy"
+    assert prov["heldout"]["acc_0"] >= 0.70 and prov["data"] == "smollm2-mix"
     # a target of the same vocabulary but another width and depth is refused, naming both
     with pytest.raises(SystemExit, match=r"does not fit target .*hidden size.*576.*64.*aux layers"):
         evaluate(EvalArgs(draft=str(DRAFT), target=str(tiny_run_inputs[0]), num_prompts=1, max_new_tokens=4))
