@@ -51,6 +51,7 @@ from core.train_config import (
     check_inputs,
     check_out,
     checkpoints,
+    gpu_batch_tokens,
     packing_blocker,
     validate,
 )
@@ -187,15 +188,39 @@ class Trainer:
         return self.cfg.pack != "off" and why is None
 
     def _batching(self, kind: str) -> "TrainConfig":
-        """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget."""
+        """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget:
+        on a GPU sized from its memory (gpu_batch_tokens); a resumed run keeps the budget it started with (the
+        same batches)."""
         cfg = self.cfg
-        budget = auto_batch_tokens(cfg, kind, self.pack)
+        why = []
+
+        def sized() -> int:
+            tokens = None
+            if cfg.resume:  # run.json's config is the first start's (core/runlog.RunLog.start)
+                try:
+                    tokens = json.loads((self.out / "run.json").read_text())["config"]["batch_tokens"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass  # no readable run.json: load() and RunLog.start say so
+            if isinstance(tokens, int) and tokens > 0:
+                why.append("the budget this run started with (--resume)")
+                return tokens
+            sizes = {k: config_int(self.target.path, k) for k in ("hidden_size", "intermediate_size", "vocab_size")}
+            if None in sizes.values():  # a config without them: the --batch-size rows
+                why.append(f"{cfg.batch_size} rows: the target's config.json names no {', '.join(sizes)}")
+                return cfg.batch_size * cfg.max_len
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(self.device), self.dp_size)
+            why.append(text)
+            return tokens
+
+        budget = auto_batch_tokens(cfg, kind, self.pack, sized)
         if budget == cfg.batch_tokens:
             return cfg
         if budget:
             self.print(
-                f"[data] batching: --batch-tokens {budget} ({cfg.batch_size} packed rows of --max-len {cfg.max_len}) a "
-                f"step, the one shape a GPU compiles once; --batch-tokens 0 batches {cfg.batch_size} conversations"
+                f"[data] batching: --batch-tokens {budget} ({budget // cfg.max_len} packed rows of --max-len "
+                f"{cfg.max_len}) a step, the one shape a GPU compiles once; {'; '.join(why)}. --batch-tokens N sets "
+                f"it, --batch-tokens 0 batches --batch-size ({cfg.batch_size}) conversations"
             )
         return dataclasses.replace(cfg, batch_tokens=budget)
 

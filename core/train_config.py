@@ -79,8 +79,10 @@ class TrainConfig:
     """a token budget instead of --batch-size: every step is batch_tokens // max_len packed rows of --max-len,
     filled first-fit with whole conversations of the shuffled data (data/packing.TokenBatches): one row count
     (one compiled shape, no rows of padding) and rows nearly full; needs packing; 0 = --batch-size conversations;
-    -1 (auto) = --batch-size x --max-len on a GPU where rows are packed (the same step shape every step: nothing
-    recompiles after warm-up; packed conversations vary the row count), else --batch-size conversations"""
+    -1 (auto) = on a GPU where rows are packed, as many rows as its memory holds (estimated from the model's
+    sizes, at most 65,536 tokens a GPU; printed): the same step shape every step, nothing recompiles after
+    warm-up (packed conversations vary the row count); on a resumed run the budget it started with; elsewhere
+    --batch-size conversations"""
     steps: int = 80
     """optimizer steps (0 = one epoch)"""
     lr: float = 3e-3
@@ -325,14 +327,65 @@ def check_deploy(d: DeployConfig):
                 )
 
 
-def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool) -> int:
-    """--batch-tokens as the run uses it: -1 (auto) is --batch-size rows of --max-len on a GPU with packed rows
-    (one step shape: the compiled target and flex compile once; packed conversations vary the row count and
-    recompile), else 0 (--batch-size conversations). Disaggregated runs keep -1, which means conversations
-    there: the producers lay out the plan before any packing is decided, and their fingerprint carries it."""
+# --batch-tokens -1 on a GPU: the step's tokens sized from the GPU's memory (gpu_batch_tokens)
+GPU_MEMORY_SHARE = 0.85
+"""of the GPU's memory a step is planned to fill: the rest is the allocator's slack and the estimate's error"""
+GPU_TOKENS_CAP = 65_536
+"""tokens per GPU a step at most: SmolLM2's step takes ~0.1 s from 1.5k to 32k tokens on the H200 (launch-bound;
+experiments/results/defaults_h200/), so a budget this large keeps the GPU busy; more would only change optimization"""
+
+
+def step_bytes_per_token(hidden: int, intermediate: int, vocab: int, draft_vocab: int, ttt: int) -> int:
+    """Peak bytes one token of an online training step holds, from the model's sizes: per TTT step the draft's
+    activations kept for the backward (~12 hidden-sized and 3 intermediate-sized bf16 tensors) and its logits
+    (fp32), plus the target's logits (fp32) and the captured hidden states. Against the H200's peaks at 32,768
+    tokens a step (2026-11/12): Llama-3.1-8B's shape (draft vocabulary 32,000) 112 GiB estimated with the
+    weights, 106 measured; SmolLM2-135M's 19 estimated, 11.6 measured: on the safe side for both."""
+    return ttt * (24 * hidden + 6 * intermediate + 4 * draft_vocab) + 4 * vocab + 64 * hidden
+
+
+def draft_state_bytes(hidden: int, intermediate: int, draft_vocab: int, layers: int) -> int:
+    """The draft's fp32 weights, gradients and two AdamW moments (16 bytes a parameter): its input projection
+    (3H x H), decoder layers (attention ~7H^2 with the doubled input, MLP 3HI) and head (V_d x H)."""
+    return 16 * (
+        3 * hidden * hidden + layers * (7 * hidden * hidden + 3 * hidden * intermediate) + draft_vocab * hidden
+    )
+
+
+def gpu_batch_tokens(cfg: TrainConfig, sizes: dict, total: int, in_use: int, dp: int) -> tuple[int, str]:
+    """--batch-tokens -1 on a GPU: rows of --max-len, as many as GPU_MEMORY_SHARE of the GPU's `total` bytes
+    holds after `in_use` (the target, loaded) and the draft's state, at most GPU_TOKENS_CAP tokens, times the
+    `dp` data-parallel ranks (each takes its share of the rows). sizes: the target's hidden_size,
+    intermediate_size and vocab_size. Returns (tokens, why) where why says how it was chosen."""
+    h, i, v = sizes["hidden_size"], sizes["intermediate_size"], sizes["vocab_size"]
+    per_token = step_bytes_per_token(h, i, v, cfg.draft_vocab_size, cfg.ttt_length)
+    fixed = in_use + draft_state_bytes(h, i, cfg.draft_vocab_size, cfg.draft_layers)
+    free = GPU_MEMORY_SHARE * total - fixed
+    fits = max(0, int(free // per_token))
+    rows = max(1, min(fits, GPU_TOKENS_CAP) // cfg.max_len)
+    gib = 2**30
+    why = (
+        f"sized from the GPU's {total / gib:.1f} GiB: the target {in_use / gib:.1f} GiB, the draft's state "
+        f"{fixed / gib - in_use / gib:.1f} GiB, ~{per_token / 2**20:.2f} MiB a token"
+    )
+    if fits < cfg.max_len:
+        why += f"; not even one row of --max-len {cfg.max_len} is estimated to fit (a smaller --max-len would)"
+    elif fits > GPU_TOKENS_CAP:
+        why += f"; capped at {GPU_TOKENS_CAP} tokens a GPU"
+    return rows * cfg.max_len * dp, why
+
+
+def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool, gpu=None) -> int:
+    """--batch-tokens as the run uses it: -1 (auto) is a budget on a GPU with packed rows (one step shape: the
+    compiled target and flex compile once; packed conversations vary the row count and recompile): `gpu()`'s
+    tokens (train.py: gpu_batch_tokens for this GPU), else --batch-size rows of --max-len; elsewhere 0
+    (--batch-size conversations). Disaggregated runs keep -1, which means conversations there: the producers lay
+    out the plan before any packing is decided, and their fingerprint carries it."""
     if cfg.batch_tokens != -1 or cfg.deploy.role or cfg.deploy.producers:
         return cfg.batch_tokens
-    return cfg.batch_size * cfg.max_len if kind == "cuda" and pack else 0
+    if kind != "cuda" or not pack:
+        return 0
+    return gpu() if gpu is not None else cfg.batch_size * cfg.max_len
 
 
 def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:

@@ -225,3 +225,41 @@ def test_auto_batch_tokens():
         assert auto_batch_tokens(dataclasses.replace(cfg, batch_tokens=explicit), "cuda", True) == explicit
     consumer = dataclasses.replace(cfg, deploy=DeployConfig(role="consumer"))
     assert auto_batch_tokens(consumer, "cuda", True) == -1
+    assert auto_batch_tokens(cfg, "cuda", True, lambda: 12 * 512) == 12 * 512  # train.py's sizing from memory
+    assert auto_batch_tokens(cfg, "cpu", True, lambda: 12 * 512) == 0
+
+
+def test_gpu_batch_tokens():
+    """--batch-tokens -1 on a GPU is sized from its memory: the 8B shape at --max-len 4096 gets rows whose
+    estimated peak fits GPU_MEMORY_SHARE of an 80 GiB GPU (the issue's 80 GiB goal) and of the H200, the
+    estimate lies above both H200 peaks measured at 32,768 tokens a step (106.1 GiB for the 8B shape, 11.6 for
+    SmolLM2), SmolLM2 is capped, a GPU too small says so, data-parallel ranks each take a share."""
+    from core.train_config import (
+        GPU_MEMORY_SHARE,
+        GPU_TOKENS_CAP,
+        TrainConfig,
+        draft_state_bytes,
+        gpu_batch_tokens,
+        step_bytes_per_token,
+    )
+
+    gib = 2**30
+    llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
+    cfg8b = TrainConfig(max_len=4096, draft_vocab_size=32000, ttt_length=7)
+    weights = 16_060_000_000  # Llama-3.1-8B in bf16
+    per_token = step_bytes_per_token(4096, 14336, 128256, 32000, 7)
+    fixed = weights + draft_state_bytes(4096, 14336, 32000, 1)
+    assert (fixed + 32768 * per_token) / gib > 106.1  # the estimate is on the safe side of the measured peak
+    small = {"hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152}
+    assert step_bytes_per_token(576, 1536, 49152, 8192, 7) * 32768 / gib > 11.6
+    for total in (80 * gib, 140 * gib):
+        tokens, why = gpu_batch_tokens(cfg8b, llama8b, total, weights, dp=1)
+        assert tokens % 4096 == 0 and tokens >= 4096 and f"{total / gib:.1f} GiB" in why
+        assert fixed + tokens * per_token <= GPU_MEMORY_SHARE * total
+        assert fixed + (tokens + 4096) * per_token > GPU_MEMORY_SHARE * total  # one row more would not fit
+    assert gpu_batch_tokens(cfg8b, llama8b, 140 * gib, weights, dp=1)[0] == 32768  # 8 rows on an H200
+    assert gpu_batch_tokens(cfg8b, llama8b, 140 * gib, weights, dp=2)[0] == 2 * 32768
+    tokens, why = gpu_batch_tokens(TrainConfig(max_len=384), small, 140 * gib, 300 * 2**20, dp=1)
+    assert tokens == GPU_TOKENS_CAP // 384 * 384 and "capped" in why
+    tokens, why = gpu_batch_tokens(cfg8b, llama8b, 24 * gib, weights, dp=1)
+    assert tokens == 4096 and "not even one row" in why

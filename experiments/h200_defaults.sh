@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 32 on one H200: train.py with its default options, as a user with a GPU runs it, in one device call
+# (stage the model first: experiments/h200_scale.sh's header says how; carry [".whl", ".device", ".stage/qI"]):
+#   NANOSPEC_COMMIT=<sha> bash .device/run_on_device.sh bash experiments/h200_defaults.sh
+# 1. the README's main job (`train.py --strategy eagle3 --target <the GGUF>`, every other option default) under
+#    experiments/stall_probe.py: its wall time from start (the GGUF conversion and cold compile caches included), and torch.compile's time per phase at exit;
+# 2. every packaged chat with the defaults for FULL_S seconds (--time-limit): real tokens/s at the budget the
+#    defaults choose on this GPU, compiled graphs at the first and last step (no recompiles after warm-up).
+# The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# run.json and metrics.jsonl come back in $OUT.
+set -uo pipefail
+T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -f $T ]] || { echo "no staged target at $T"; exit 1; }
+(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 5; done) > $OUT/smi.log 2>&1 &
+SMI=$!
+run() {  # name, train.py flags...
+  local name=$1; shift
+  local t0=$SECONDS
+  # a new user's machine: no converted model, no compile caches (earlier calls on this machine filled /tmp's)
+  NANOSPEC_CACHE=/tmp/fresh_$name TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_$name/inductor TRITON_CACHE_DIR=/tmp/fresh_$name/triton \
+  timeout -k 10 ${RUN_S:-280} python3 experiments/stall_probe.py --stacks $OUT/stacks_$name.txt --every 30 -- \
+    --target $T --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
+  echo "$name rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/${name}_default.log
+  cp /tmp/defaults_$name/run.json $OUT/${name}_run.json; cp /tmp/defaults_$name/metrics.jsonl $OUT/${name}_metrics.jsonl
+  grep -a "batching\|\[data\] --batch\|eval @\|step 80\|compile\|error" $OUT/${name}_default.log | cut -c1-300 | tail -12
+}
+run main --strategy eagle3
+run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
+kill $SMI 2>/dev/null
+ls -la $OUT
