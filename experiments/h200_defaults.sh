@@ -18,13 +18,17 @@ run() {  # name, train.py flags...
   local t0=$SECONDS
   # a new user's machine: no converted model, no compile caches (earlier calls on this machine filled /tmp's)
   NANOSPEC_CACHE=/tmp/fresh_$name TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_$name/inductor TRITON_CACHE_DIR=/tmp/fresh_$name/triton \
-  timeout -k 10 ${RUN_S:-280} python3 experiments/stall_probe.py --stacks $OUT/stacks_$name.txt --every 30 -- \
+  timeout -k 10 ${RUN_S:-280} python3 ${PROBE[$name]} \
     --target $T --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
   echo "$name rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/${name}_default.log
   cp /tmp/defaults_$name/run.json $OUT/${name}_run.json; cp /tmp/defaults_$name/metrics.jsonl $OUT/${name}_metrics.jsonl
   grep -a "batching\|\[data\] --batch\|eval @\|step 80\|compile\|error" $OUT/${name}_default.log | cut -c1-300 | tail -12
 }
+# the main job plain (under stall_probe it ended in a segfault at 90 s on 2026-12-04: its watchdog thread is the
+# suspect, experiments/stall_probe.py); every chat under the probe, for torch.compile's times
+declare -A PROBE=([main]=train.py [full]="experiments/stall_probe.py --stacks $OUT/stacks_full.txt --every 30 --")
 run main --strategy eagle3
 run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
 kill $SMI 2>/dev/null
 ls -la $OUT
+(cd $OUT && tar czf /tmp/defaults_out.tgz . && rm -rf ./* && mv /tmp/defaults_out.tgz .)  # one file comes back
