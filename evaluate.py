@@ -32,22 +32,11 @@ import tyro
 from core.distributed import DTYPES
 from core.speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
 from data.benchmarks import DATASETS, load_prompts
+from data.chat import render
 from data.vocab import coverage_rows
 from models.families import FAMILIES
 from models.proposer import Proposer
-
-
-def render(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    e = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = set(e if isinstance(e, list) else [e] if e is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
+from models.target import eos_ids, target_context
 
 
 def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[int], max_new: int, eos):
@@ -115,13 +104,6 @@ def run_dataset_batched(
                 st.add(s)
                 msgs[c].append({"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)})
     return st, time.time() - t0, [x for turns in by_conv for x in turns]
-
-
-def target_context(target_dir) -> int | None:
-    try:
-        return json.loads((Path(target_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def vllm_agreement(
@@ -373,26 +355,15 @@ def check_args(a: EvalArgs):
         raise SystemExit(f"error: --target {a.target} is {what}, not a target model (the draft is the first argument)")
 
 
-def main(a: EvalArgs) -> dict:
+def load_models(a: EvalArgs):
+    """The draft (and what its export recorded), the target's directory, model and tokenizer, on a.device in
+    a.dtype; every refusal a one-line SystemExit."""
     from transformers import AutoModelForCausalLM
 
-    from core.runlog import git_commit, hardware, versions
     from data.chat import DataError
     from export import ExportError, open_draft, target_mismatch
     from models.target import load_tokenizer, resolve_target
 
-    check_args(a)
-    try:  # every prompt set read before the models load: a bad file is one line now, not a traceback later
-        prompt_sets = {name: load_prompts(name, a.num_prompts) for name in a.data}
-    except DataError as e:
-        raise SystemExit(f"error: {e}") from None
-    if a.resume_file:
-        read_resume_file(Path(a.resume_file))
-        check_writable("--resume-file", Path(a.resume_file))
-    if a.out:
-        check_out(Path(a.out))
-    if a.threads:
-        torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
     try:
         draft, recorded = open_draft(a.draft)
@@ -415,8 +386,11 @@ def main(a: EvalArgs) -> dict:
     if why := target_mismatch(draft.config, model.config.to_dict(), tok, recorded):
         raise SystemExit(f"error: draft {a.draft} does not fit target {target_dir}: {'; '.join(why)} (wrong --target?)")
     draft.to(device=a.device, dtype=dtype)
-    target = TargetRunner(model, draft.config.aux_layers)
-    eos = eos_ids(model, tok)
+    return draft, target_dir, model, tok
+
+
+def build_proposers(a: EvalArgs, draft, model) -> list:
+    """The draft's proposers for each -k (chains; the tree with --tree-topk), then n-gram lookup (--ngram)."""
     if FAMILIES[draft.family].decode_depth:
         proposers = [proposer_for(draft, model, depth=k) for k in a.k or (3,)]
         if a.tree_topk:
@@ -432,6 +406,101 @@ def main(a: EvalArgs) -> dict:
             raise SystemExit(f"error: -k {' '.join(map(str, a.k))}: {e}") from None
     if a.ngram:
         proposers.append(NgramProposer(proposers[0].depth))
+    return proposers
+
+
+def evaluate_set(a: EvalArgs, ds: str, convs, proposers, target, tok, eos, draft, replay: dict) -> dict:
+    """Every proposer over one prompt set: its summary row per proposer name (printed as it finishes), the
+    draft vocabulary's coverage of the outputs under "coverage"; chain outputs appended to replay[K]."""
+    rows, turns = {}, []
+    for p in proposers:
+        if a.batch > 1 and p.batches:  # EAGLE-3 chains (models/proposer.py Proposer.batches)
+            st, sec, turns = run_dataset_batched(target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy)
+        else:
+            st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
+        if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM
+            replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
+        s = st.summary()
+        s["seconds"] = round(sec, 1)
+        s["tau_halves"] = split_halves(turns, convs)
+        if p.needs_aux:  # the draft's proposers: tokens verified per step, tree width
+            s["k"], s["topk"] = p.depth, getattr(p, "topk", 1)
+        rows[p.name] = s
+        acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
+        cost = (
+            f", draft cost {s['draft_cost']:.3f} target forwards/step, speed-up {s['expected_speedup']:.2f}"
+            if s["draft_cost"] is not None
+            else ""
+        )
+        extra = (
+            f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})"
+            if isinstance(p, NgramProposer)
+            else ""
+        )
+        print(
+            f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
+            f"{s['target_forwards']} target forwards, {sec:.0f}s{cost}; halves {s['tau_halves']}",
+            flush=True,
+        )
+    print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
+    if isinstance(getattr(draft, "t2d", None), torch.Tensor):  # a token outside the draft vocab is never proposed
+        ks = sorted({k for k in a.k if k})
+        cov = coverage_rows([out for _, out, _ in turns], draft.t2d.cpu(), windows=ks)
+        whole = "".join(f"; all next {k} inside at {100 * cov[f'window_{k}']:.1f}% of positions" for k in ks)
+        print(
+            f"[{ds}] draft vocabulary covers {100 * cov['coverage']:.1f}% of the target's output tokens{whole}",
+            flush=True,
+        )
+        return {"rows": rows, "coverage": cov, "ks": ks}
+    return {"rows": rows}
+
+
+def replay_in_vllm(a: EvalArgs, replay: dict, target_dir, draft, result: dict) -> None:
+    """--vllm: every chain's turns replayed in vLLM; result["vllm"]["chainK"] its agreement per set."""
+    import tempfile
+
+    from core.vllm_spec import VllmError
+
+    result["vllm"] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, turns in replay.items():
+            print(
+                f"[vllm] chain{k}: replaying {len(turns)} turns in vLLM (its start takes minutes on a CPU)", flush=True
+            )
+            try:
+                agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
+            except VllmError as e:  # was a traceback, after every dataset had been decoded: print those first
+                print(json.dumps(result), flush=True)
+                raise SystemExit(f"error: --vllm: the replay in vLLM failed: {e}") from None
+            result["vllm"][f"chain{k}"] = agree
+            for ds, r in agree.items():
+                print(
+                    f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} "
+                    f"({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}",
+                    flush=True,
+                )
+
+
+def main(a: EvalArgs) -> dict:
+    from core.runlog import git_commit, hardware, versions
+    from data.chat import DataError
+
+    check_args(a)
+    try:  # every prompt set read before the models load: a bad file is one line now, not a traceback later
+        prompt_sets = {name: load_prompts(name, a.num_prompts) for name in a.data}
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.resume_file:
+        read_resume_file(Path(a.resume_file))
+        check_writable("--resume-file", Path(a.resume_file))
+    if a.out:
+        check_out(Path(a.out))
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    draft, target_dir, model, tok = load_models(a)
+    target = TargetRunner(model, draft.config.aux_layers)
+    eos = eos_ids(model, tok)
+    proposers = build_proposers(a, draft, model)
     result = {
         "draft": str(a.draft),
         "target": str(target_dir),
@@ -463,79 +532,19 @@ def main(a: EvalArgs) -> dict:
                 flush=True,
             )
             continue
-        convs = prompt_sets[name]
-        result["results"][ds] = {}
-        for p in proposers:
-            if a.batch > 1 and p.batches:  # EAGLE-3 chains (models/proposer.py Proposer.batches)
-                st, sec, turns = run_dataset_batched(
-                    target, p, tok, convs, a.max_new_tokens, eos, a.batch, a.check_greedy
-                )
-            else:
-                st, sec, turns = run_dataset(target, p, tok, convs, a.max_new_tokens, eos, a.check_greedy)
-            if p.needs_aux and getattr(p, "topk", 1) == 1:  # chains and parallel / block proposals replay in vLLM
-                replay.setdefault(p.depth, []).extend((ds, pr, out, s) for pr, out, s in turns)
-            s = st.summary()
-            s["seconds"] = round(sec, 1)
-            s["tau_halves"] = split_halves(turns, convs)
-            if p.needs_aux:  # the draft's proposers: tokens verified per step, tree width
-                s["k"], s["topk"] = p.depth, getattr(p, "topk", 1)
-            result["results"][ds][p.name] = s
-            acc = " ".join(f"{x:.2f}" for x in s["acceptance_per_pos"])
-            cost = (
-                f", draft cost {s['draft_cost']:.3f} target forwards/step, speed-up {s['expected_speedup']:.2f}"
-                if s["draft_cost"] is not None
-                else ""
-            )
-            extra = (
-                f" (vLLM-style, proposing steps only: {s['tau_proposed_steps']:.3f})"
-                if isinstance(p, NgramProposer)
-                else ""
-            )
-            print(
-                f"[{ds}] {p.name:<16} tau={s['tau']:.3f}{extra}  accept/pos=[{acc}]  {s['new_tokens']} tokens, "
-                f"{s['target_forwards']} target forwards, {sec:.0f}s{cost}; halves {s['tau_halves']}",
-                flush=True,
-            )
-        print(f"[{ds}] {'plain decoding':<16} tau=1.000 (by definition: one token per target forward)", flush=True)
-        if isinstance(getattr(draft, "t2d", None), torch.Tensor):  # a token outside the draft vocab is never proposed
-            ks = sorted({k for k in a.k if k})
-            cov = coverage_rows([out for _, out, _ in turns], draft.t2d.cpu(), windows=ks)
+        done = evaluate_set(a, ds, prompt_sets[name], proposers, target, tok, eos, draft, replay)
+        result["results"][ds] = done["rows"]
+        if "coverage" in done:
+            cov = done["coverage"]
             result.setdefault("draft_vocab_coverage", {})[ds] = cov["coverage"]
-            result.setdefault("draft_vocab_windows", {})[ds] = {str(k): cov[f"window_{k}"] for k in ks}
-            whole = "".join(f"; all next {k} inside at {100 * cov[f'window_{k}']:.1f}% of positions" for k in ks)
-            print(
-                f"[{ds}] draft vocabulary covers {100 * cov['coverage']:.1f}% of the target's output tokens{whole}",
-                flush=True,
-            )
+            result.setdefault("draft_vocab_windows", {})[ds] = {str(k): cov[f"window_{k}"] for k in done["ks"]}
         if a.resume_file:  # write then rename: a kill mid-write leaves the previous file whole
             Path(a.resume_file).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(a.resume_file + ".tmp")
             tmp.write_text(json.dumps({"key": key, "results": result["results"]}))
             tmp.replace(a.resume_file)
     if a.vllm:
-        import tempfile
-
-        from core.vllm_spec import VllmError
-
-        result["vllm"] = {}
-        with tempfile.TemporaryDirectory() as tmp:
-            for k, turns in replay.items():
-                print(
-                    f"[vllm] chain{k}: replaying {len(turns)} turns in vLLM (its start takes minutes on a CPU)",
-                    flush=True,
-                )
-                try:
-                    agree = vllm_agreement(a.draft, target_dir, k, turns, a.max_new_tokens, Path(tmp), draft.family)
-                except VllmError as e:  # was a traceback, after every dataset had been decoded: print those first
-                    print(json.dumps(result), flush=True)
-                    raise SystemExit(f"error: --vllm: the replay in vLLM failed: {e}") from None
-                result["vllm"][f"chain{k}"] = agree
-                for ds, r in agree.items():
-                    print(
-                        f"[{ds}] chain{k} tau ours {r['tau_ours']:.3f} vs vLLM {r['tau_vllm']:.3f} "
-                        f"({100 * r['rel_diff']:.1f}% apart), identical outputs {r['identical_outputs']}",
-                        flush=True,
-                    )
+        replay_in_vllm(a, replay, target_dir, draft, result)
     line = json.dumps(result)
     print(line)
     if a.out:

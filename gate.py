@@ -256,11 +256,10 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from core.speculative import TargetRunner, speculative_generate
-    from data.chat import DataError, check_template, to_messages, tokenize_chat
+    from data.chat import DataError, check_template, render, to_messages, tokenize_chat
     from data.datasets import load_records
-    from evaluate import eos_ids, render
     from models.proposer import Proposer
-    from models.target import load_tokenizer, resolve_target
+    from models.target import eos_ids, load_tokenizer, resolve_target
 
     target_dir = resolve_target(cfg.target)
     tok = load_tokenizer(target_dir)
@@ -421,13 +420,6 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 
 # ---------------------------------------------------------------- stage 3
-def target_context(target: str) -> int:
-    try:
-        return int(json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 1024)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 1024
-
-
 def vllm_venv(cfg: GateConfig) -> Path:
     from core.vllm_spec import DEFAULT_VENV
 
@@ -436,9 +428,10 @@ def vllm_venv(cfg: GateConfig) -> Path:
 
 def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
     from core.vllm_spec import VllmError, ensure_venv, run_job
+    from export import ExportError, vllm_method
+    from models.target import target_context
 
     venv = vllm_venv(cfg)
-    from export import ExportError, vllm_method
 
     try:
         method, extra = vllm_method(cfg.strategy)
@@ -451,7 +444,7 @@ def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_t
         "prompts": [prompt],
         "max_tokens": max_tokens,
         "dtype": "float32",
-        "max_model_len": min(1024, target_context(target)),  # vLLM refuses more than the target's context
+        "max_model_len": min(1024, target_context(Path(target)) or 1024),  # vLLM refuses more than the target's context
         "method": method,
         "speculative_extra": extra,
     }

@@ -179,6 +179,15 @@ def validate(cfg: TrainConfig, world: int | None = None):
             if (cfg.deploy.producers and not cfg.deploy.role)
             else int(os.environ.get("WORLD_SIZE", 1))
         )
+    _check_ranges(cfg)
+    _check_model(cfg, world)
+    _check_batching(cfg, world)
+    _check_run(cfg)
+    _check_family(cfg)
+
+
+def _check_ranges(cfg: TrainConfig):
+    """Counts below their least value and floats outside their interval (or not finite)."""
     at_least = {
         "batch_size": 1,
         "eval_batch_size": 1,
@@ -219,6 +228,11 @@ def validate(cfg: TrainConfig, world: int | None = None):
         if not math.isfinite(v) or v < low or (v == low and not closed) or v > high:
             rng = f"{'[' if closed else '('}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number in {rng}, got {v}")
+
+
+def _check_model(cfg: TrainConfig, world: int):
+    """The draft's and target's shape options (aux layers, TTT against --max-len, MoE, tensor parallel, the
+    optimizer) and the disaggregated options."""
     if len(set(cfg.aux_layers)) != len(cfg.aux_layers) or any(i < 0 for i in cfg.aux_layers):
         raise ConfigError(f"--aux-layers {' '.join(map(str, cfg.aux_layers))}: distinct layer indices, 0 or more")
     if cfg.ttt_length >= cfg.max_len:  # step k predicts k + 1 tokens ahead: beyond the row, no target at all
@@ -250,6 +264,11 @@ def validate(cfg: TrainConfig, world: int | None = None):
         raise ConfigError(f"--optimizer must be adamw or muon, got {cfg.optimizer!r}")
     if cfg.moe_mode not in ("flops", "params"):
         raise ConfigError(f"--moe-mode must be flops or params, got {cfg.moe_mode!r}")
+
+
+def _check_batching(cfg: TrainConfig, world: int):
+    """--batch-size, --batch-tokens and --pack-row-multiple against the rows a step holds and the data-parallel
+    ranks that split them."""
     if world % cfg.tp == 0 and cfg.batch_size % (world // cfg.tp):
         raise ConfigError(
             f"--batch-size {cfg.batch_size} is the global batch: it must split evenly over the {world // cfg.tp} "
@@ -271,12 +290,20 @@ def validate(cfg: TrainConfig, world: int | None = None):
             f"--batch-tokens {cfg.batch_tokens} gives {cfg.batch_tokens // cfg.max_len} rows of --max-len {cfg.max_len}"
             f" a step: they must split evenly over the {world // cfg.tp} data-parallel ranks"
         )
+
+
+def _check_run(cfg: TrainConfig):
+    """--resume against --init-draft and --overwrite; --pack's value."""
     if cfg.resume and cfg.init_draft:
         raise ConfigError("--resume continues the run in --out with its own weights; --init-draft starts a new one")
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
     if cfg.pack not in ("auto", "on", "off"):
         raise ConfigError(f"--pack must be auto, on or off, got {cfg.pack!r}")
+
+
+def _check_family(cfg: TrainConfig):
+    """--strategy, and every family option given to a family that does not read it (refused, never ignored)."""
     if cfg.strategy not in FAMILIES:
         raise ConfigError(f"unknown strategy {cfg.strategy!r}: choose one of {', '.join(FAMILIES)}")
     default = TrainConfig()

@@ -153,3 +153,10 @@ def tokenize_chat(tokenizer, messages: list[dict], max_len: int, stats: Counter 
         return None
     stats["kept"] += 1
     return Example(ids, mask)
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt ids the target continues: the chat template with the generation prompt (an assistant turn
+    opened), no special tokens added twice."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -39,7 +39,8 @@ class Args:
 
 
 def prompts(tok, n: int) -> list[list[int]]:
-    from evaluate import load_prompts, render
+    from data.benchmarks import load_prompts
+    from data.chat import render
 
     return [
         render(tok, [{"role": "user", "content": turns[0]}])

@@ -54,7 +54,7 @@ class Args:
 
 def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> list[list[int]]:
     """The target's greedy replies, turn by turn as evaluate.run_dataset feeds them."""
-    from evaluate import render
+    from data.chat import render
 
     outs = []
     for turns in convs:
@@ -77,8 +77,7 @@ def main(a: Args) -> list[dict]:
     from data.benchmarks import load_prompts
     from data.datasets import build_examples, load_records, split_holdout
     from data.vocab import build_vocab_mapping, count_tokens, coverage_rows
-    from evaluate import eos_ids
-    from models.target import load_tokenizer, resolve_target
+    from models.target import eos_ids, load_tokenizer, resolve_target
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -129,6 +129,15 @@ def target_context(target_dir: Path) -> int | None:
     return config_int(target_dir, "max_position_embeddings")
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """The token ids that end a reply: the generation config's eos (one id or a list) and the tokenizer's."""
+    e = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(e if isinstance(e, list) else [e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
 def past_context(target_dir: Path, tokens: int, what: str) -> str:
     """Why `tokens` (a row, a prompt plus its reply) do not fit the target's context (its config.json's
     max_position_embeddings, or its text_config's), "" when they do or the config names none: past it the target

@@ -294,7 +294,8 @@ def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkey
     monkeypatch.setattr(core.vllm_spec, "run_job", lambda job, *a, **kw: jobs.append(job) or {})
     target, _ = tiny_run_inputs
     gate.run_vllm(gate.GateConfig(), str(target), tmp_path, [1, 2], 4, tmp_path)
-    assert jobs[0]["max_model_len"] == 256 and gate.target_context(str(tmp_path)) == 1024
+    gate.run_vllm(gate.GateConfig(), str(tmp_path), tmp_path, [1, 2], 4, tmp_path)  # a config naming no context
+    assert jobs[0]["max_model_len"] == 256 and jobs[1]["max_model_len"] == 1024
     assert "[gate] stage 3 vLLM: serving the draft (K=3; the engine's start takes minutes" in capsys.readouterr().out
 
 
@@ -574,7 +575,9 @@ def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monk
     assert str(e.value.code) == "error: --vllm: the replay in vLLM failed: vLLM exited 1: no vLLM here"
     printed = capsys.readouterr().out
     assert '"results": {"mtbench"' in printed and "[vllm] chain3: replaying 2 turns in vLLM" in printed
-    assert evaluate.target_context(tiny_run_inputs[0]) == 256 and evaluate.target_context(tmp_path) is None
+    from models.target import target_context
+
+    assert target_context(tiny_run_inputs[0]) == 256 and target_context(tmp_path) is None
 
 
 @pytest.mark.parametrize("command", ["regenerate", "prompts"])

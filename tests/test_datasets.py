@@ -163,7 +163,7 @@ def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
     """τ is measured on MT-Bench, HumanEval and GSM8K (and unseen ShareGPT prompts): none of their
     prompts (first 80 characters, whitespace and case normalised) may occur in a user turn of the
     regenerated training sets."""
-    from evaluate import load_prompts
+    from data.benchmarks import load_prompts
 
     norm = lambda t: " ".join(t.split()).lower()
     for name in ("sharegpt-greedy", "sharegpt-regen"):

@@ -42,7 +42,7 @@ def test_drop_reasons():
 
 
 def test_benchmark_prompts_are_caught():
-    from evaluate import load_prompts
+    from data.benchmarks import load_prompts
 
     prompts = benchmark_prompts()
     assert len(prompts) > 1000  # MT-Bench turns, HumanEval and GSM8K

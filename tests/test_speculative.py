@@ -266,7 +266,8 @@ def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
     """The real target: spec decoding with an (untrained) draft gives the greedy text."""
     from transformers import AutoModelForCausalLM
 
-    from evaluate import eos_ids, render
+    from data.chat import render
+    from models.target import eos_ids
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     draft, aux = random_draft(hf, 0, draft_vocab=512)
@@ -284,7 +285,7 @@ def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
 
 
 def test_packaged_prompt_sets():
-    from evaluate import load_prompts
+    from data.benchmarks import load_prompts
 
     mt, he, gsm = load_prompts("mtbench", 0), load_prompts("humaneval", 0), load_prompts("gsm8k", 0)
     assert (len(mt), len(he), len(gsm)) == (80, 164, 1319)

@@ -222,7 +222,8 @@ def test_vllm_serves_the_speculators_export_like_ours(tmp_path, smollm2_dir, smo
 
     from core.speculative import Proposer, TargetRunner, speculative_generate
     from core.vllm_spec import run_job
-    from evaluate import load_prompts, render
+    from data.benchmarks import load_prompts
+    from data.chat import render
 
     draft = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle3"
     ck = export.import_draft(draft, tmp_path / "run", target=str(smollm2_dir))
