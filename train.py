@@ -666,6 +666,44 @@ class Trainer:
         finally:
             stop.close()
 
+    def non_finite(self, step: int) -> FloatingPointError:
+        """The error a non-finite loss stops the run with: where the last good checkpoint is, or that none is."""
+        last = self.latest_checkpoint()
+        when = (
+            ""
+            if self.device.type == "cpu"
+            else " at this step (on GPU the loss is checked at log/eval/checkpoint steps)"
+        )
+        return FloatingPointError(
+            f"non-finite loss at step {step}; parameters were not updated{when}. "
+            + (
+                f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)"
+                if last
+                else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the "
+                "way): lower --lr or check the data, then rerun with --overwrite"
+            )
+        )
+
+    def log_step(self, n: int, stats, counts, loss, gnorm, speed, bar):
+        """metrics.jsonl's train row after step n (accuracies, loss over ranks, lr, grad norm, speed, compiled
+        graphs: a count growing after warm-up means recompiles) and the progress bar's figures."""
+        m = self.metrics(stats, counts)
+        m.update(
+            loss=(all_sum(loss.detach().clone()) / self.world).item(),
+            lr=self.sched.get_last_lr()[0],
+            grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+        )
+        m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
+        m["compiled_graphs"] = compiled_graphs()
+        self.log.write({"step": n, "split": "train", **m})
+        if bar:
+            bar.set_postfix(
+                loss=f"{m['loss']:.3f}",
+                acc0=f"{m['acc_0']:.3f}",
+                acc3=f"{m.get('acc_3', 0):.3f}",
+                graphs=m["compiled_graphs"],
+            )
+
     def loop(self, start, prefetch, stop, speed, bar, t0, results) -> dict:
         cfg = self.cfg
         for step in range(start, self.total_steps):
@@ -687,23 +725,7 @@ class Trainer:
             )
             if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
                 prefetch.close()
-                last = self.latest_checkpoint()
-                when = (
-                    ""
-                    if self.device.type == "cpu"
-                    else " at this step (on GPU the loss is checked at log/eval/checkpoint steps)"
-                )
-                raise FloatingPointError(
-                    f"non-finite loss at step {step}; parameters were not updated{when}. "
-                    + (
-                        f"Last good checkpoint: {last} "
-                        "(continue from it with --resume and a lower --lr, or check the data)"
-                        if last
-                        else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; "
-                        "--ckpt-every N saves along the way): "
-                        "lower --lr or check the data, then rerun with --overwrite"
-                    )
-                )
+                raise self.non_finite(step)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
             self.opt.step()
@@ -713,22 +735,7 @@ class Trainer:
             self.progress(f"step {step + 1}")
             speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
-                m = self.metrics(stats, counts)
-                m.update(
-                    loss=(all_sum(loss.detach().clone()) / self.world).item(),
-                    lr=self.sched.get_last_lr()[0],
-                    grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
-                )
-                m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
-                m["compiled_graphs"] = compiled_graphs()  # growing after warm-up: recompiles
-                self.log.write({"step": step + 1, "split": "train", **m})
-                if bar:
-                    bar.set_postfix(
-                        loss=f"{m['loss']:.3f}",
-                        acc0=f"{m['acc_0']:.3f}",
-                        acc3=f"{m.get('acc_3', 0):.3f}",
-                        graphs=m["compiled_graphs"],
-                    )
+                self.log_step(step + 1, stats, counts, loss, gnorm, speed, bar)
             if bar:
                 bar.update(1)
             evaluate = (

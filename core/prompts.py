@@ -14,9 +14,9 @@ import torch
 
 from core.capture_io import append_rows, check_context, check_inputs, check_out, provenance, read_jsonl_repair, sidecars
 from core.distributed import pick_device
-from core.regenerate import generate_batch, pick_engine, stop_ids
+from core.regenerate import generate_batch, pick_engine
 from core.runlog import git_commit, hardware, versions
-from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target
+from models.target import DEFAULT_TARGET, eos_ids, fingerprint, load_tokenizer, resolve_target
 
 
 def check_prompts(cfg: "PromptsConfig"):
@@ -272,7 +272,7 @@ def write_prompts(cfg: PromptsConfig) -> dict:
 
 
 def stop_ids_for(target_dir: Path, tokenizer) -> list[int]:
-    """stop_ids without loading a model first: the directory's generation config and the tokenizer's EOS."""
+    """models.target.eos_ids without loading a model: the directory's generation config and the tokenizer's EOS."""
     from types import SimpleNamespace
 
-    return stop_ids(SimpleNamespace(path=str(target_dir)), tokenizer)
+    return eos_ids(SimpleNamespace(path=str(target_dir)), tokenizer)

@@ -20,7 +20,7 @@ from core.distributed import pick_device
 from core.runlog import git_commit, hardware, versions
 from data.chat import DataError, to_messages
 from data.datasets import SHAREGPT, load_records
-from models.target import DEFAULT_TARGET, fingerprint, load_tokenizer, resolve_target, target_context
+from models.target import DEFAULT_TARGET, eos_ids, fingerprint, load_tokenizer, resolve_target, target_context
 
 
 # ====================================================================== regenerate
@@ -122,25 +122,6 @@ class _Deadline:
         return torch.full((input_ids.shape[0],), self.hit, dtype=torch.bool, device=input_ids.device)
 
 
-def stop_ids(model, tokenizer) -> list[int]:
-    """The generation config's EOS ids (an HF model's, or the compiled target's directory's) and
-    the tokenizer's."""
-    gc = getattr(model, "generation_config", None)
-    if gc is None:
-        from transformers import GenerationConfig
-
-        gc = (
-            GenerationConfig.from_pretrained(model.path)
-            if (Path(model.path) / "generation_config.json").exists()
-            else GenerationConfig()
-        )
-    ids = gc.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
 @torch.no_grad()
 def generate_batch(
     model, tokenizer, prompts: list[list[int]], cfg: RegenConfig, stopper=None
@@ -149,7 +130,7 @@ def generate_batch(
     token, whether max_new_tokens was hit without a stop token)."""
     from transformers import GenerationConfig, StoppingCriteriaList
 
-    eos = stop_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     T = max(map(len, prompts))
     ids = torch.full((len(prompts), T), pad, dtype=torch.long)
@@ -522,7 +503,7 @@ def regenerate(cfg: RegenConfig) -> dict:
             cfg.slots,
             cfg.max_prompt_len,
             cfg.max_new_tokens,
-            stop_ids(model, tokenizer),
+            eos_ids(model, tokenizer),
             Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
             seed=cfg.seed + len(done),
         )

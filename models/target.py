@@ -130,12 +130,20 @@ def target_context(target_dir: Path) -> int | None:
 
 
 def eos_ids(model, tokenizer) -> list[int]:
-    """The token ids that end a reply: the generation config's eos (one id or a list) and the tokenizer's."""
-    e = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = set(e if isinstance(e, list) else [e] if e is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
+    """The token ids that end a reply: the generation config's eos (one id or a list; an HF model's own, else the
+    generation_config.json in `model.path`, a compiled target's directory) and the tokenizer's, in that order."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        from transformers import GenerationConfig
+
+        path = getattr(model, "path", None)
+        found = path is not None and (Path(path) / "generation_config.json").exists()
+        gc = GenerationConfig.from_pretrained(path) if found else GenerationConfig()
+    ids = gc.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
 def past_context(target_dir: Path, tokens: int, what: str) -> str:

@@ -208,11 +208,11 @@ def regen_cfg(target, data, out, **kw):
 
 
 def hf_greedy(model, tokenizer, messages, max_new_tokens):
-    from core.regenerate import stop_ids
+    from models.target import eos_ids
 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    eos = stop_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])[
         0, ids.shape[1] :
     ].tolist()
