@@ -30,7 +30,7 @@ import torch.distributed as dist
 from core.config import cli, config_path
 from core.disagg.roles import consumer_target
 from core.disagg.roles import main as disagg_main
-from core.distributed import all_sum, barrier, destroy, init_distributed
+from core.distributed import all_min, all_sum, barrier, destroy, init_distributed
 from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
 from core.optim import MuonAdamW, lr_at, muon_groups
 from core.runlog import (
@@ -210,8 +210,9 @@ class Trainer:
                 return cfg.batch_size * cfg.max_len
             total = torch.cuda.get_device_properties(self.device).total_memory
             tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(self.device), self.dp_size)
-            why.append(text)
-            return tokens
+            agreed = int(all_min(torch.tensor([tokens], device=self.device)).item())  # every rank the same batches
+            why.append(text + (f"; {agreed} tokens, the smallest rank's" if agreed != tokens else ""))
+            return agreed
 
         budget = auto_batch_tokens(cfg, kind, self.pack, sized)
         if budget == cfg.batch_tokens:

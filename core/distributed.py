@@ -45,6 +45,14 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_min(x: torch.Tensor) -> torch.Tensor:
+    """x's smallest value over all ranks, in place: a figure each rank measured that all must agree on (the
+    token budget a GPU's memory allows: one rank's larger budget would split the data differently)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return x
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

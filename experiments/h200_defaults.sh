@@ -2,10 +2,11 @@
 # Issue 32 on one H200: train.py with its default options, as a user with a GPU runs it, in one device call
 # (stage the model first: experiments/h200_scale.sh's header says how; carry [".whl", ".device", ".stage/qI"]):
 #   NANOSPEC_COMMIT=<sha> bash .device/run_on_device.sh bash experiments/h200_defaults.sh
-# 1. the README's main job (`train.py --strategy eagle3 --target <the GGUF>`, every other option default) under
-#    experiments/stall_probe.py: its wall time from start (the GGUF conversion and cold compile caches included), and torch.compile's time per phase at exit;
-# 2. every packaged chat with the defaults for FULL_S seconds (--time-limit): real tokens/s at the budget the
-#    defaults choose on this GPU, compiled graphs at the first and last step (no recompiles after warm-up).
+# 1. the README's main job (`train.py --strategy eagle3 --target <the GGUF>`, every other option default): its
+#    wall time from start, the GGUF conversion and cold compile caches included;
+# 2. every packaged chat with the defaults for FULL_S seconds (--time-limit) under experiments/stall_probe.py:
+#    real tokens/s at the budget the defaults choose on this GPU, compiled graphs at the first and last step (no
+#    recompiles after warm-up), torch.compile's time per phase at exit.
 # The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
@@ -16,8 +17,10 @@ SMI=$!
 run() {  # name, train.py flags...
   local name=$1; shift
   local t0=$SECONDS
-  # a new user's machine: no converted model, no compile caches (earlier calls on this machine filled /tmp's)
-  NANOSPEC_CACHE=/tmp/fresh_$name TORCHINDUCTOR_CACHE_DIR=/tmp/fresh_$name/inductor TRITON_CACHE_DIR=/tmp/fresh_$name/triton \
+  # a new user's machine: no converted model, no compile caches, new for every call (on 2026-12-04 a second call
+  # found the first one's in a fixed directory, and the main job's cold start went unmeasured)
+  local fresh; fresh=$(mktemp -d /tmp/fresh_${name}_XXXX)
+  NANOSPEC_CACHE=$fresh TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
   timeout -k 10 ${RUN_S:-280} python3 ${PROBE[$name]} \
     --target $T --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
   echo "$name rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/${name}_default.log

@@ -263,3 +263,22 @@ def test_gpu_batch_tokens():
     assert tokens == GPU_TOKENS_CAP // 384 * 384 and "capped" in why
     tokens, why = gpu_batch_tokens(cfg8b, llama8b, 24 * gib, weights, dp=1)
     assert tokens == 4096 and "not even one row" in why
+
+
+def _min_rank(rank: int, store: str, out):
+    import torch.distributed as dist
+
+    from core.distributed import all_min
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    out[rank] = int(all_min(torch.tensor([65280 - 384 * 10 * rank])).item())  # rank 1 measured less memory
+    dist.destroy_process_group()
+
+
+def test_all_min_agrees_over_ranks(tmp_path):
+    """train.py's GPU budget is measured on every rank; all_min makes them agree on the smallest (two gloo ranks)."""
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_min_rank, args=(str(tmp_path / "store"), out), nprocs=2)
+    assert dict(out) == {0: 65280 - 3840, 1: 65280 - 3840}
