@@ -7,7 +7,7 @@
 # 2. every packaged chat with the defaults for FULL_S seconds (--time-limit) under experiments/stall_probe.py:
 #    real tokens/s at the budget the defaults choose on this GPU, compiled graphs at the first and last step (no
 #    recompiles after warm-up), torch.compile's time per phase at exit.
-# The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# ONLY="main" (or "full") runs one of the two. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -30,8 +30,8 @@ run() {  # name, train.py flags...
 # the main job plain (under stall_probe it ended in a segfault at 90 s on 2026-12-04: its watchdog thread is the
 # suspect, experiments/stall_probe.py); every chat under the probe, for torch.compile's times
 declare -A PROBE=([main]=train.py [full]="experiments/stall_probe.py --stacks $OUT/stacks_full.txt --every 30 --")
-run main --strategy eagle3
-run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
+[[ " ${ONLY:-main full} " == *" main "* ]] && run main --strategy eagle3
+[[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
 kill $SMI 2>/dev/null
 ls -la $OUT
 (cd $OUT && tar czf /tmp/defaults_out.tgz . && rm -rf ./* && mv /tmp/defaults_out.tgz .)  # one file comes back
