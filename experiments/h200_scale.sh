@@ -103,18 +103,18 @@ case $PHASE in
     # no --ngram: the n-gram baseline decodes one prompt at a time)
     [[ -n ${SHIPPED:-} && -z ${RESUME:-} ]] && (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T \
       $EVAL --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
-    # RUNS: name:data dir:draft vocabulary:steps; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
+    # RUNS: name:data dir:draft vocabulary:steps[:flags,comma,separated]; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
     # (b reached step 1,600), then a:mix_data:8192:5600 alone (the shipped draft since 2026-12-04, two calls,
     # ~9.8 steps/s alone; two runs share the GPU at ~6 each). Next: b:mix_data:16384:5600 against it
     jobs=()
     for v in ${RUNS:-a:mix_data:8192:5600}; do
-      IFS=: read -r name dir vocab steps <<< "$v"; R=$W/run_$name
+      IFS=: read -r name dir vocab steps extra <<< "$v"; R=$W/run_$name  # extra: this run's flags, comma-separated
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
       # 2026-12-02 the mix stalled in its first evaluation (batch 8, before the first step); 2026-12-03 with the
       # evaluation at the training batch and none before the first step it did not (evaluations ~1 s)
       (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 20 $(($(left) - 30)) python3 train.py --target $T \
          --data $W/$dir --num-records 0 --holdout ${HOLDOUT:-256} --no-eval-at-start --eval-batch-size 32 \
-         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} \
+         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} ${extra//,/ } \
          --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size $vocab --out $R $MODE \
          --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
        echo "train $name exit $?" >> $OUT/train_$name.log
