@@ -7,6 +7,7 @@ default is [1, L//2 - 1, L - 4]. The final hidden state is after the model's fin
 `logits = lm_head(final_hidden)`.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -158,6 +159,41 @@ def past_context(target_dir: Path, tokens: int, what: str) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within it, the `gguf` package parses a file once and builds a tensor-name map once. transformers converts a
+    GGUF with three full parses (the config, the tokenizer, the weights; each reads every field, SmolLM2's 49k
+    vocabulary strings included, ~6 s on a 2-core CPU) and builds the architecture's name map for every module of
+    the model (~400 times, ~7 s): together about half of the conversion's time. transformers imports both names
+    from `gguf` at call time, so swapping the module's attributes reaches it; the readers are read-only memory maps,
+    the maps are looked up and never changed."""
+    try:
+        import gguf as gg
+    except ImportError:  # transformers says what to install when it needs it
+        yield
+        return
+    real_reader, real_map = gg.GGUFReader, gg.get_tensor_name_map
+    readers: dict = {}
+    maps: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    def name_map(*args):
+        if args not in maps:
+            maps[args] = real_map(*args)
+        return maps[args]
+
+    gg.GGUFReader, gg.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gg.GGUFReader, gg.get_tensor_name_map = real_reader, real_map
+
+
 def resolve_target(spec: str) -> Path:
     """'smollm2' | path/to/model.gguf | HF model directory  ->  HF directory with safetensors.
 
@@ -180,7 +216,7 @@ def resolve_target(spec: str) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[target] converting {gguf.name} to safetensors in {out} (one time, ~30 s)", flush=True)
+    print(f"[target] converting {gguf.name} to safetensors in {out} (one time, ~20 s)", flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     kw = {}
@@ -191,13 +227,15 @@ def resolve_target(spec: str) -> Path:
     except ImportError:
         pass
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kw)
+        with gguf_parsed_once():  # one parse of the file for the config, the weights and the tokenizer
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **kw)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = model.to(torch.bfloat16)
         if hasattr(model.config, "quantization_config"):  # the weights are plain tensors now
             del model.config.quantization_config
         model.hf_quantizer = None
         model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     except Exception as e:  # a GGUF header but a truncated file, an architecture transformers cannot read, ...
         shutil.rmtree(tmp, ignore_errors=True)
         raise TargetError(f"cannot convert {gguf} ({type(e).__name__}: {e})") from e

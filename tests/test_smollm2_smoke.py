@@ -2,10 +2,12 @@
 
 import json
 
+import gguf
 import pytest
 import torch
 
-from models.target import Target
+from data.assets import asset_path
+from models.target import Target, gguf_parsed_once
 from train import TrainConfig, Trainer
 
 
@@ -41,3 +43,19 @@ def test_smollm2_capture_and_train(tmp_path, smollm2_dir):
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     assert {"config", "git_commit", "versions", "hardware", "results"} <= set(meta)
     assert (tmp_path / "run" / "ckpt" / "step_3" / "draft.safetensors").exists()
+
+
+def test_gguf_parsed_once():
+    """resolve_target's conversion parses the GGUF once (not once each for config, tokenizer and weights) and
+    builds the tensor-name map once; outside the context the gguf package is as it was."""
+    path = asset_path("smollm2_gguf")
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # transformers passes a str, we a Path: one parse
+        assert first.fields["general.architecture"] is not None
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is names
+        assert names.get_name("model.layers.0.self_attn.q_proj") == "blk.0.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (real_reader, real_map)
+    assert gguf.GGUFReader(path) is not first
