@@ -30,7 +30,7 @@ def read_prompt_file(name: str) -> list[list[str]]:
     """A JSONL file of prompts, one conversation per line: {"prompt": str}, {"turns": [str, ...]} or
     {"messages": [{"role", "content"}, ...]} (its user turns). Anything else is a DataError naming the line."""
     from data.chat import DataError
-    from data.datasets import json_line_error, text_lines
+    from data.datasets import json_object_line, text_lines
 
     path = Path(name)
     if not path.is_file():
@@ -41,15 +41,9 @@ def read_prompt_file(name: str) -> list[list[str]]:
     expected = "expected an object with 'prompt' (a string), 'turns' (strings) or 'messages' ({role, content} objects)"
     turns = []
     for lineno, line in text_lines(path):
-        line = line.rstrip("\r\n")
-        if not line.strip():
+        r = json_object_line(path, lineno, line, f"{expected}, got a")
+        if r is None:
             continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: {json_line_error(e, line)}") from None
-        if not isinstance(r, dict):
-            raise DataError(f"{path}:{lineno}: {expected}, got a {type(r).__name__}")
         if "messages" in r:
             msgs = r["messages"]
             if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):

@@ -76,6 +76,21 @@ def json_line_error(e: json.JSONDecodeError, line: str) -> str:
     return f"malformed JSON line ({e.msg.removesuffix(' at')} at {where})"  # 'Unterminated string starting at'
 
 
+def json_object_line(path: Path, lineno: int, line: str, not_object: str) -> dict | None:
+    """The JSON object on one line of a JSON-lines file (a line of `text_lines`), None for a blank line. A malformed
+    line or one that holds no object is a DataError naming the file and line (`not_object`, then the type found)."""
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: {json_line_error(e, line)}") from None
+    if not isinstance(rec, dict):
+        raise DataError(f"{path}:{lineno}: {not_object} {type(rec).__name__}")
+    return rec
+
+
 def _find_bad_json_line(path: Path) -> str:
     """Why `datasets` could not read a .json(.gz) file: one JSON document (e.g. an array of records) is
     parsed whole, so the line and column are the document's; JSON lines one by one."""
@@ -126,16 +141,9 @@ def read_jsonl(files: list[Path], limit: int | None = None) -> list[dict]:
         for lineno, line in text_lines(path):
             if limit is not None and len(out) >= limit:
                 return out
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: {json_line_error(e, line)}") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-            out.append(rec)
+            rec = json_object_line(path, lineno, line, "expected a JSON object per line, got")
+            if rec is not None:
+                out.append(rec)
     return out
 
 

@@ -139,33 +139,42 @@ def _launch_cfg(V: int):
     return dict(BLOCK_V=block, num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4))
 
 
+def _launch(kernel, z, target, w, hard: bool, t_rows, *per_row):
+    """One program per row of z [N, V] (N > 0): the kernels' leading arguments (logits rows, target rows or
+    labels, their row ids, weights), then `per_row` (kernel-specific), V and the constants."""
+    N, V = z.shape
+    t_stride = 0 if hard else target.stride(0)
+    kernel[(N,)](
+        z,
+        z.stride(0),
+        target,
+        t_stride,
+        t_rows if t_rows is not None else w,
+        w,
+        *per_row,
+        V,
+        HARD=hard,
+        T_ROWS=t_rows is not None,
+        **_launch_cfg(V),
+    )
+
+
+def _scored_rows(target, t_rows):
+    """The torch path's target: row n of z is scored against target[t_rows[n]] (a gathered copy)."""
+    return target if t_rows is None else target.index_select(0, t_rows)
+
+
 def ce_forward(z: torch.Tensor, target: torch.Tensor, w: torch.Tensor, hard: bool, t_rows: torch.Tensor | None = None):
     """z [N, V] (unit column stride), target p [M, V] or labels [M], w [N] fp32 ->
     (loss_rows [N] fp32, lse [N] fp32, psum [N] fp32, argmax [N] int64). Row n of z is scored
     against target row t_rows[n] (int64 [N]; default n, with M = N)."""
     N, V = z.shape
     if not _use_triton(z):
-        return _ce_forward_torch(z, target if t_rows is None else target.index_select(0, t_rows), w, hard)
+        return _ce_forward_torch(z, _scored_rows(target, t_rows), w, hard)
     loss, lse, psum = (torch.empty(N, device=z.device, dtype=torch.float32) for _ in range(3))
     argmax = torch.empty(N, device=z.device, dtype=torch.int64)
     if N > 0:
-        t_stride = 0 if hard else target.stride(0)
-        _ce_fwd_kernel[(N,)](
-            z,
-            z.stride(0),
-            target,
-            t_stride,
-            t_rows if t_rows is not None else w,
-            w,
-            loss,
-            lse,
-            psum,
-            argmax,
-            V,
-            HARD=hard,
-            T_ROWS=t_rows is not None,
-            **_launch_cfg(V),
-        )
+        _launch(_ce_fwd_kernel, z, target, w, hard, t_rows, loss, lse, psum, argmax)
     return loss, lse, psum, argmax
 
 
@@ -175,27 +184,9 @@ def ce_backward_(
     """Overwrite z with dL/dz for upstream grad_out (0-d tensor); returns z. t_rows as in ce_forward."""
     N, V = z.shape
     if not _use_triton(z):
-        return _ce_backward_torch_(
-            z, target if t_rows is None else target.index_select(0, t_rows), w, lse, psum, grad_out, hard
-        )
+        return _ce_backward_torch_(z, _scored_rows(target, t_rows), w, lse, psum, grad_out, hard)
     if N > 0:
-        t_stride = 0 if hard else target.stride(0)
-        g = grad_out.reshape(1).to(torch.float32)
-        _ce_bwd_kernel[(N,)](
-            z,
-            z.stride(0),
-            target,
-            t_stride,
-            t_rows if t_rows is not None else w,
-            w,
-            lse,
-            psum,
-            g,
-            V,
-            HARD=hard,
-            T_ROWS=t_rows is not None,
-            **_launch_cfg(V),
-        )
+        _launch(_ce_bwd_kernel, z, target, w, hard, t_rows, lse, psum, grad_out.reshape(1).to(torch.float32))
     if not torch.compiler.is_compiling():  # (under compile, functionalization tracks the mutation)
         torch.autograd.graph.increment_version(z)  # raw-pointer writes do not bump it themselves
     return z

@@ -72,6 +72,21 @@ def speculators_ids(spec: dict, key: str, num_layers: int | None, where: str) ->
     return ids
 
 
+# ---- fields both layouts write from the draft's config ----
+def layer_fields(c) -> dict:
+    """A draft layer's heads, activation, norm eps, context and vocabulary (from its config `c`), in the order
+    both layouts' config.json list them."""
+    return {
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+    }
+
+
 # ---- fields a serving config takes from the target, and back ----
 def target_rope(target_config: dict, rope_parameters: dict) -> dict:
     """The target's rope fields as its config.json has them (the draft's rope must be the target's:

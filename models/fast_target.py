@@ -60,6 +60,37 @@ from models.target import Features, default_aux_layers
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
+
+def _qwen3(
+    model_type: str, hidden_size: int, intermediate_size: int, num_hidden_layers: int, num_key_value_heads: int, **moe
+) -> dict:
+    """A Qwen3 (-MoE) config.json: the fields Qwen3-8B and Qwen3-30B-A3B share, written once, and the
+    MoE fields `moe`, in the files' key order (router_aux_loss_coef after use_sliding_window)."""
+    router = {"router_aux_loss_coef": moe.pop("router_aux_loss_coef")} if "router_aux_loss_coef" in moe else {}
+    return dict(
+        model_type=model_type,
+        vocab_size=151936,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=32,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rope_scaling=None,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        hidden_act="silu",
+        **moe,
+        use_sliding_window=False,
+        **router,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
 # Real config.json values of the benchmark targets (random weights are built from these).
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -88,52 +119,20 @@ PRESETS = {
         bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009],
     ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rope_scaling=None,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        hidden_act="silu",
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    ),
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
+    "qwen3-8b": _qwen3("qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_key_value_heads=8),
+    "qwen3-30b-a3b": _qwen3(
+        "qwen3_moe",
         hidden_size=2048,
         intermediate_size=6144,
         num_hidden_layers=48,
-        num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rope_scaling=None,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        hidden_act="silu",
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        use_sliding_window=False,
         router_aux_loss_coef=0.001,
-        bos_token_id=151643,
-        eos_token_id=151645,
     ),
 }
 
