@@ -34,56 +34,30 @@ sys.path.insert(0, str(ROOT))
 from models.eagle3 import ATTENTION, LOSSES, Eagle3Batch, Eagle3Config, Eagle3Draft, local_counts  # noqa: E402
 from models.layers import param_count  # noqa: E402
 
+# hidden, ffn, heads, kv heads, head dim, rope theta, max positions, vocab, aux layers
+DRAFT_SHAPES = {
+    "llama8b": (4096, 14336, 32, 8, 128, 500000.0, 131072, 128256, [1, 15, 28]),
+    "smollm2": (576, 1536, 9, 3, 64, 100000.0, 8192, 49152, [1, 14, 26]),  # SmolLM2-135M-Instruct: 30 layers
+    "tiny": (64, 128, 4, 2, 16, 10000.0, 4096, 1000, [0, 1, 2]),
+}
 
-def llama8b_draft(draft_vocab: int) -> Eagle3Config:
+
+def draft_config(shape: str, draft_vocab: int) -> Eagle3Config:
+    """The EAGLE-3 draft of a DRAFT_SHAPES target (its hidden size, heads and rope; rms eps 1e-5)."""
+    hidden, ffn, heads, kv_heads, head_dim, rope_theta, max_pos, vocab, aux = DRAFT_SHAPES[shape]
     return Eagle3Config(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        max_position_embeddings=131072,
-        vocab_size=128256,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=max_pos,
+        vocab_size=vocab,
         draft_vocab_size=draft_vocab,
-        target_hidden_size=4096,
-        aux_layers=[1, 15, 28],
-    )
-
-
-def smollm2_draft(draft_vocab: int) -> Eagle3Config:
-    """SmolLM2-135M-Instruct's shapes (30 layers, hidden 576, 9 / 3 heads of 64)."""
-    return Eagle3Config(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-        max_position_embeddings=8192,
-        vocab_size=49152,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=576,
-        aux_layers=[1, 14, 26],
-    )
-
-
-def tiny_draft(draft_vocab: int) -> Eagle3Config:
-    return Eagle3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        max_position_embeddings=4096,
-        vocab_size=1000,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=64,
-        aux_layers=[0, 1, 2],
+        target_hidden_size=hidden,
+        aux_layers=list(aux),
     )
 
 
@@ -128,11 +102,7 @@ def main(args: Args):
     smoke = args.smoke
     device = "cpu" if smoke else "cuda"
     dtype = torch.float32 if smoke else torch.bfloat16
-    cfg = (
-        tiny_draft(300)
-        if smoke
-        else {"llama8b": llama8b_draft, "smollm2": smollm2_draft}[args.target](args.draft_vocab_size)
-    )
+    cfg = draft_config("tiny", 300) if smoke else draft_config(args.target, args.draft_vocab_size)
     T = 96 if smoke else args.max_len
     if smoke:
         args.attention = [a for a in args.attention if a != "flex"]  # no flex backward on CPU

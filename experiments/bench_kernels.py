@@ -38,7 +38,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,8 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from experiments.common import short_commit  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -103,18 +104,12 @@ def main(args: Args):
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     meta = dict(
         gpu=torch.cuda.get_device_name() if dev == "cuda" else f"cpu:{platform.processor() or platform.machine()}",
         torch=torch.__version__,
         triton=triton.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=commit,
+        commit=short_commit(),
         smoke=smoke,
         flex_kernel_options=flex_kernel_options,
         dtype=str(dtype).removeprefix("torch."),

@@ -39,6 +39,8 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from experiments.common import short_commit  # noqa: E402
+
 LLAMA_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -120,22 +122,15 @@ def random_llama(shape: dict, device, dtype):
 
 def env_info(device) -> dict:
     import platform
-    import subprocess
 
     import torch
     import transformers
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = "unknown"
     info = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "commit": commit or "unknown",
+        "commit": short_commit() or "unknown",
         "host": platform.node(),
     }
     if device.type == "cuda":

@@ -553,6 +553,14 @@ def dims(args) -> dict:
     return {"seq": args.max_len, "ttt": args.ttt_length, "draft_vocab": 32000}
 
 
+def timed_flags(args, target: Path, out: Path, batch: int) -> list[str]:
+    """train_flags of a timed phase: the dims() shapes, --steps steps."""
+    d = dims(args)
+    return train_flags(
+        args, target, out, batch, seq=d["seq"], ttt=d["ttt"], steps=args.steps, draft_vocab=d["draft_vocab"]
+    )
+
+
 def phase_dp(runner: Runner, deadline: float) -> dict:
     """2 GPUs (FSDP2 draft, the target replicated) at --batch-per-gpu per GPU, then 1 GPU at --batch-per-gpu."""
     args, d = runner.args, dims(runner.args)
@@ -563,16 +571,7 @@ def phase_dp(runner: Runner, deadline: float) -> dict:
     res = {}
     for n in (2, 1):
         B = args.batch_per_gpu * n
-        flags = train_flags(
-            args,
-            t["path"],
-            WORK / "runs" / f"dp{n}",
-            B,
-            seq=d["seq"],
-            ttt=d["ttt"],
-            steps=args.steps,
-            draft_vocab=d["draft_vocab"],
-        )
+        flags = timed_flags(args, t["path"], WORK / "runs" / f"dp{n}", B)
         res[n] = timed_run(
             runner,
             "dp",
@@ -623,19 +622,7 @@ def phase_tp(runner: Runner, deadline: float):
     model = runner.configs["qwen30b"][1]
     res = {}
     for tag, tp, B in (("tp2", ["--tp", "2"], args.batch_per_gpu), ("dp2", [], 2 * args.batch_per_gpu)):
-        flags = (
-            train_flags(
-                args,
-                t["path"],
-                WORK / "runs" / f"qwen_{tag}",
-                B,
-                seq=d["seq"],
-                ttt=d["ttt"],
-                steps=args.steps,
-                draft_vocab=d["draft_vocab"],
-            )
-            + tp
-        )
+        flags = timed_flags(args, t["path"], WORK / "runs" / f"qwen_{tag}", B) + tp
         res[tag] = timed_run(
             runner,
             "tp",
@@ -684,16 +671,7 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
     root = WORK / "runs" / "disagg"
     shutil.rmtree(root, ignore_errors=True)
     control, store = root / "control", root / "features"
-    flags = train_flags(
-        args,
-        t["path"],
-        root / "consumer",
-        B,
-        seq=d["seq"],
-        ttt=d["ttt"],
-        steps=args.steps,
-        draft_vocab=d["draft_vocab"],
-    )
+    flags = timed_flags(args, t["path"], root / "consumer", B)
     flags += ["--control", str(control), "--store", str(store)] + args.disagg_args.split()
     plog = runner.out / "disagg" / "producer.log"
     pcmd = [sys.executable, "train.py", *flags, "--role", "producer", "--worker-name", "p0"]
@@ -748,16 +726,7 @@ def phase_disagg(runner: Runner, deadline: float, colocated: dict | None):
         "command": f"CUDA_VISIBLE_DEVICES=0 python {' '.join(pcmd[1:])} & {crow['command']}",
     }
     if colocated is None or not colocated.get("tokens_per_s"):
-        cflags = train_flags(
-            args,
-            t["path"],
-            WORK / "runs" / "colocated2",
-            2 * B,
-            seq=d["seq"],
-            ttt=d["ttt"],
-            steps=args.steps,
-            draft_vocab=d["draft_vocab"],
-        )
+        cflags = timed_flags(args, t["path"], WORK / "runs" / "colocated2", 2 * B)
         colocated = timed_run(
             runner,
             "disagg",

@@ -236,30 +236,28 @@ class PlotArgs:
     figures: str = str(FIGURES)
 
 
+def moe_settings() -> list[str]:
+    from experiments.moe_drafts import SETTINGS
+
+    return [s for s, _ in SETTINGS]
+
+
+def regen_settings() -> list[str]:
+    return ["original", "regenerated"]
+
+
 def main(a: PlotArgs) -> list[Path]:
     results, figures = Path(a.results), Path(a.figures)
     figures.mkdir(parents=True, exist_ok=True)
     made = []
     if (results / "ttt_scaling.csv").exists():
         made += plot_ttt(results / "ttt_scaling.csv", figures)
-    if (results / "moe_drafts.csv").exists():
-        from experiments.moe_drafts import SETTINGS
-
-        made += plot_bars(
-            results / "moe_drafts.csv",
-            figures,
-            "moe_tau.png",
-            "MoE draft MLPs vs the dense EAGLE-3 draft",
-            [s for s, _ in SETTINGS],
-        )
-    if (results / "data_regen.csv").exists():
-        made += plot_bars(
-            results / "data_regen.csv",
-            figures,
-            "regen_tau.png",
-            "Training data: ShareGPT's answers vs the target's own",
-            ["original", "regenerated"],
-        )
+    for study, png, title, settings in (
+        ("moe_drafts", "moe_tau.png", "MoE draft MLPs vs the dense EAGLE-3 draft", moe_settings),
+        ("data_regen", "regen_tau.png", "Training data: ShareGPT's answers vs the target's own", regen_settings),
+    ):
+        if (results / f"{study}.csv").exists():
+            made += plot_bars(results / f"{study}.csv", figures, png, title, settings())
     if (results / "families_h200.csv").exists():
         from experiments.families import SETTINGS as FAMILY_SETTINGS
 

@@ -54,18 +54,11 @@ PRESET_V1 = dict(
 # draft is evaluated and served under; see data/sharegpt_smollm2_greedy/README.md for the choice),
 # continuous batching (models/generate.py). The output guard keeps the gzipped file under ~25 MB.
 PRESET = dict(
-    num_records=0,
-    max_turns=3,
-    max_new_tokens=512,
-    max_prompt_len=1536,
-    temperature=0.0,
-    top_p=1.0,
-    seed=0,
-    batch_size=384,
-    max_output_mb=90,
-    engine="slots",
-    slots=512,
-)
+    PRESET_V1,  # its max_new_tokens, seed and batch_size
+    num_records=0, max_turns=3, max_prompt_len=1536,  # every packaged chat, 3 replies each
+    temperature=0.0, top_p=1.0,  # greedy
+    max_output_mb=90, engine="slots", slots=512,  # continuous batching
+)  # fmt: skip
 SMOKE = dict(
     num_records=6, max_turns=2, max_new_tokens=12, max_prompt_len=512, temperature=0.8, top_p=0.95, seed=0, batch_size=2
 )

@@ -66,26 +66,20 @@ SPECFORGE = {  # same H200, transformers 5.17, flex, TTT 7, seq 4096, random wei
     "qwen3-30b-a3b": {"batch": 4, "tokens_per_s": 18866},
 }
 DEFAULT_BATCHES = {"llama-3.1-8b": [8], "qwen3-30b-a3b": [4], "qwen3-8b": [8]}
+SMOKE_SIZES = {  # both smoke models
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 SMOKE = {  # tiny shapes with the families' features (llama3 rope + GQA; q/k norm + MoE)
-    "tiny-llama": {
-        **PRESETS["llama-3.1-8b"],
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-    },
+    "tiny-llama": {**PRESETS["llama-3.1-8b"], **SMOKE_SIZES},
     "tiny-moe": {
         **PRESETS["qwen3-30b-a3b"],
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        **SMOKE_SIZES,
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,

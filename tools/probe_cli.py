@@ -205,10 +205,11 @@ GATE_STAGE2 = {"strategy", "train_args", "max_steps", "chunk", "lr", "draft_voca
 
 def bases(f: dict[str, Path]) -> dict[str, dict]:
     t, c = str(f["target"]), str(f["chats"])
+    io = dict(target=t, data=c)  # the tiny target and the chats: first in each command line
+    gate = dict(k=2, scan_records=8, max_prompt_tokens=64, response_tokens=8, min_trainable=4, max_len=128)
     return {
         "train": dict(
-            target=t,
-            data=c,
+            io,
             out="{case}/run",
             num_records=12,
             holdout=2,
@@ -221,49 +222,19 @@ def bases(f: dict[str, Path]) -> dict[str, dict]:
             eval_batch_size=2,
             progress=False,
         ),  # fmt: skip
-        "features": dict(target=t, data=c, out="{case}/store", num_records=4, max_len=64),
+        "features": dict(io, out="{case}/store", num_records=4, max_len=64),
         "regenerate": dict(
-            target=t,
-            data=c,
-            out="{case}/regen.jsonl",
-            num_records=2,
-            max_new_tokens=4,
-            max_prompt_len=128,
-            batch_size=2,
-        ),  # fmt: skip
+            io, out="{case}/regen.jsonl", num_records=2, max_new_tokens=4, max_prompt_len=128, batch_size=2
+        ),
         "prompts": dict(
             target=t, out="{case}/prompts.jsonl", num_prompts=2, max_new_tokens=8, batch_size=2, max_batches=1
         ),
         "export": dict(ckpt=str(f["run"]), out="{case}/export"),
         "evaluate": dict(draft=str(f["run"]), data=(str(f["prompts_file"]),), num_prompts=1, max_new_tokens=8),
-        "gate": dict(
-            target=t,
-            data=c,
-            out="{case}/gate",
-            ckpt=str(f["export"]),
-            vllm_venv=str(f["fake_venv"]),
-            k=2,
-            scan_records=8,
-            max_prompt_tokens=64,
-            response_tokens=8,
-            min_trainable=4,
-            max_len=128,
-        ),  # fmt: skip
+        "gate": dict(io, out="{case}/gate", ckpt=str(f["export"]), vllm_venv=str(f["fake_venv"]), **gate),
         "gate-train": dict(
-            target=t,
-            data=c,
-            out="{case}/gate",
-            vllm_venv=str(f["fake_venv"]),
-            k=2,
-            scan_records=8,
-            max_prompt_tokens=64,
-            response_tokens=8,
-            min_trainable=4,
-            max_len=128,
-            max_steps=2,
-            chunk=1,
-            draft_vocab_size=256,
-        ),  # fmt: skip
+            io, out="{case}/gate", vllm_venv=str(f["fake_venv"]), **gate, max_steps=2, chunk=1, draft_vocab_size=256
+        ),
     }
 
 
