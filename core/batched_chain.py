@@ -62,18 +62,90 @@ class _Target:
         self.valid = self.valid.index_select(0, rows)
 
 
-@torch.no_grad()
-def batched_chain_generate(
-    model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int, eos_ids=()
-) -> list[tuple[list[int], SpecStats]]:
-    """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
-    EAGLE-3 drafts per step, all prompts in one batch."""
-    dev, dtype = model.device, draft.fc.weight.dtype
-    embed, draft_ids, eos = model.get_input_embeddings(), draft.draft_ids.to(dev), set(eos_ids)
-    target = _Target(model.eval(), draft.config.aux_layers)
-    B = len(prompts)
-    ids = [list(p) for p in prompts]
-    stats = [SpecStats(prompts=1) for _ in prompts]
+class _Drafter:
+    """The EAGLE-3 draft over its own slot cache, in step with _Target: `past` (its KV cache), `valid` [B, S]
+    (the slots holding each row's committed entries) and `h_last` [B, 1, H] (the hidden state that proposes
+    the next step's first draft)."""
+
+    def __init__(self, draft: Eagle3Draft, embed, dev):
+        self.draft, self.embed, self.dev, self.dtype = draft, embed, dev, draft.fc.weight.dtype
+        self.draft_ids = draft.draft_ids.to(dev)  # [V_draft] draft-vocab id -> target id
+        self.past = self.valid = self.h_last = None
+
+    def prefill(self, nxt: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, P: torch.Tensor):
+        """Draft position t gets fc(aux_t) and embed(ids[t + 1]), t < P_b. nxt [B, Pmax]: each row's ids
+        shifted by one; aux [B, Pmax, K * H_target] (K aux layers); valid [B, Pmax]; P [B]: prompt lengths."""
+        B, Pmax = nxt.shape
+        ar = torch.arange(Pmax, device=self.dev)
+        out, self.past = self.draft.decode(
+            self.embed(nxt).to(self.dtype),
+            self.draft.project(aux.to(self.dtype)),
+            ar[None].expand(B, -1),
+            None,
+            _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=self.dev), valid),
+        )
+        self.valid = valid
+        self.h_last = out[torch.arange(B, device=self.dev), P - 1][:, None]  # [B, 1, H]
+
+    def propose(self, N: torch.Tensor, depth: int) -> torch.Tensor:
+        """The chain of `depth` drafts per row, [A, depth] target ids; N [A]: committed lengths."""
+        A = N.shape[0]
+        # propose: depth 1 from h_last; depth j+1 feeds node j at draft position N - 2 + j
+        toks, h, spec = [], self.h_last, self.past
+        for j in range(1, depth + 1):
+            toks.append(self.draft.logits(h[:, -1]).float().argmax(-1))  # [A] draft-vocab ids
+            if j == depth:
+                break
+            S = spec[0].shape[2]
+            mask = torch.cat(
+                [self.valid, torch.ones(A, S - self.valid.shape[1] + 1, dtype=torch.bool, device=self.dev)], 1
+            )[:, None, None]
+            h, spec = self.draft.decode(
+                self.embed(self.draft_ids[toks[-1]][:, None]).to(self.dtype),
+                self.draft.carry(h),
+                (N - 2 + j)[:, None],
+                spec,
+                mask,
+            )
+        return self.draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
+
+    def commit(self, drafts: torch.Tensor, pred: torch.Tensor, n_acc: torch.Tensor, aux: torch.Tensor, N: torch.Tensor):
+        """drafts [A, depth], pred [A, T] (the target's argmax), n_acc [A] (accepted drafts), aux [A, T, K * H_target]
+        (the verify step's), N [A] (committed lengths before the step)."""
+        # commit: the draft catches up over the n+1 new positions N-1 .. N-1+n with their aux rows
+        M = int(n_acc.max()) + 1
+        m = torch.arange(M, device=self.dev)
+        new_valid = m[None] <= n_acc[:, None]  # [A, M]
+        hid = self.draft.project(aux[:, :M].to(self.dtype))  # M <= T: the verified rows 0..n (padding: later rows)
+        # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
+        bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
+        emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
+        out, self.past = self.draft.decode(
+            self.embed(emb_ids).to(self.dtype),
+            hid,
+            (N - 1)[:, None] + m[None],
+            self.past,
+            _causal_new(self.valid, new_valid),
+        )
+        self.valid = torch.cat([self.valid, new_valid], 1)
+        self.h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))  # [A, 1, H]
+
+    def keep_rows(self, rows: torch.Tensor):
+        self.past = tuple(t.index_select(0, rows) for t in self.past)
+        self.valid, self.h_last = self.valid.index_select(0, rows), self.h_last.index_select(0, rows)
+
+
+def _keep_rows(target: _Target, drafter: _Drafter, rows: list[int]):
+    """Drop the finished rows (rows: the batch indices to keep) from both caches and the draft state."""
+    keep = torch.tensor(rows, dtype=torch.long, device=drafter.dev)
+    target.keep_rows(keep)
+    drafter.keep_rows(keep)
+
+
+def _prefill(target: _Target, drafter: _Drafter, prompts: list[list[int]], ids: list[list[int]], stats: list):
+    """Both caches take the prompts; each row's first new token is appended to ids[b] (its stats count the
+    forward)."""
+    dev, B = drafter.dev, len(prompts)
     P = torch.tensor([len(p) for p in prompts], device=dev)
     Pmax = int(P.max())
     ar = torch.arange(Pmax, device=dev)
@@ -93,57 +165,47 @@ def batched_chain_generate(
     nxt = torch.zeros(B, Pmax, dtype=torch.long, device=dev)
     for b in range(B):
         nxt[b, : len(prompts[b])] = torch.tensor(ids[b][1:], device=dev)
-    out, past = draft.decode(
-        embed(nxt).to(dtype),
-        draft.project(aux.to(dtype)),
-        ar[None].expand(B, -1),
-        None,
-        _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=dev), valid),
-    )
-    d_valid = valid
-    h_last = out[torch.arange(B, device=dev), P - 1][:, None]  # [B, 1, H]
+    drafter.prefill(nxt, aux, valid, P)
 
-    def keep_rows(rows: list[int]):
-        """Drop the finished rows (rows: the batch indices to keep) from both caches and the draft state."""
-        nonlocal past, d_valid, h_last
-        keep = torch.tensor(rows, dtype=torch.long, device=dev)
-        target.keep_rows(keep)
-        past, d_valid, h_last = (
-            tuple(t.index_select(0, keep) for t in past),
-            d_valid.index_select(0, keep),
-            h_last.index_select(0, keep),
-        )
+
+def _verify(target: _Target, last: list[int], drafts: torch.Tensor, N: torch.Tensor):
+    """The target scores each row's chain; returns (pred [A, T]: its argmax, n_acc [A]: accepted drafts,
+    aux [A, T, K * H_target]). last [A]: the rows' last committed tokens; drafts [A, depth]; N [A]: committed
+    lengths."""
+    A, T, dev = drafts.shape[0], drafts.shape[1] + 1, drafts.device
+    # verify: [last committed token] + drafts at positions N - 1 + (0..depth)
+    x = torch.cat([torch.tensor(last, device=dev)[:, None], drafts], 1)
+    pos = (N - 1)[:, None] + torch.arange(T, device=dev)[None]
+    logits, aux = target.forward(x, pos, torch.ones(A, T, dtype=torch.bool, device=dev))
+    pred = logits.argmax(-1)  # [A, T]
+    match = (drafts == pred[:, :-1]).long().cumprod(1)
+    n_acc = match.sum(1)  # accepted drafts per row (chain: a prefix)
+    target.valid[:, -T:] = torch.arange(T, device=dev)[None] <= n_acc[:, None]  # root + accepted rows stay
+    return pred, n_acc, aux
+
+
+@torch.no_grad()
+def batched_chain_generate(
+    model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int, eos_ids=()
+) -> list[tuple[list[int], SpecStats]]:
+    """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
+    EAGLE-3 drafts per step, all prompts in one batch."""
+    dev, eos = model.device, set(eos_ids)
+    drafter = _Drafter(draft, model.get_input_embeddings(), dev)
+    target = _Target(model.eval(), draft.config.aux_layers)
+    B = len(prompts)
+    ids = [list(p) for p in prompts]
+    stats = [SpecStats(prompts=1) for _ in prompts]
+    _prefill(target, drafter, prompts, ids, stats)
 
     active = [b for b in range(B) if not (ids[b][-1] in eos or max_new_tokens <= 1)]
     if len(active) < B:
-        keep_rows(active)
+        _keep_rows(target, drafter, active)
     while active:
         A = len(active)
         N = torch.tensor([len(ids[b]) for b in active], device=dev)  # committed lengths
-        # propose: depth 1 from h_last; depth j+1 feeds node j at draft position N - 2 + j
-        toks, h, spec = [], h_last, past
-        for j in range(1, depth + 1):
-            toks.append(draft.logits(h[:, -1]).float().argmax(-1))  # [A] draft-vocab ids
-            if j == depth:
-                break
-            S = spec[0].shape[2]
-            mask = torch.cat([d_valid, torch.ones(A, S - d_valid.shape[1] + 1, dtype=torch.bool, device=dev)], 1)[
-                :, None, None
-            ]
-            h, spec = draft.decode(
-                embed(draft_ids[toks[-1]][:, None]).to(dtype), draft.carry(h), (N - 2 + j)[:, None], spec, mask
-            )
-        drafts = draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
-
-        # verify: [last committed token] + drafts at positions N - 1 + (0..depth)
-        x = torch.cat([torch.tensor([ids[b][-1] for b in active], device=dev)[:, None], drafts], 1)
-        T = depth + 1
-        pos = (N - 1)[:, None] + torch.arange(T, device=dev)[None]
-        logits, aux = target.forward(x, pos, torch.ones(A, T, dtype=torch.bool, device=dev))
-        pred = logits.argmax(-1)  # [A, T]
-        match = (drafts == pred[:, :-1]).long().cumprod(1)
-        n_acc = match.sum(1)  # accepted drafts per row (chain: a prefix)
-        target.valid[:, -T:] = torch.arange(T, device=dev)[None] <= n_acc[:, None]  # root + accepted rows stay
+        drafts = drafter.propose(N, depth)  # [A, depth] target ids
+        pred, n_acc, aux = _verify(target, [ids[b][-1] for b in active], drafts, N)
         n_list, pred_l, drafts_l = n_acc.tolist(), pred.tolist(), drafts.tolist()
 
         still = []
@@ -155,22 +217,9 @@ def batched_chain_generate(
             if not (any(t in eos for t in new) or len(ids[b]) - len(prompts[b]) >= max_new_tokens):
                 still.append(i)
 
-        # commit: the draft catches up over the n+1 new positions N-1 .. N-1+n with their aux rows
-        M = int(n_acc.max()) + 1
-        m = torch.arange(M, device=dev)
-        new_valid = m[None] <= n_acc[:, None]  # [A, M]
-        hid = draft.project(aux[:, :M].to(dtype))  # M <= T: the verified rows 0..n (padding: later rows)
-        # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
-        bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
-        emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
-        out, past = draft.decode(
-            embed(emb_ids).to(dtype), hid, (N - 1)[:, None] + m[None], past, _causal_new(d_valid, new_valid)
-        )
-        d_valid = torch.cat([d_valid, new_valid], 1)
-        h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))
-
+        drafter.commit(drafts, pred, n_acc, aux, N)
         if len(still) < A:  # finished rows leave the batch
-            keep_rows(still)
+            _keep_rows(target, drafter, still)
             active = [active[i] for i in still]
 
     results = []

@@ -69,17 +69,16 @@ class RegenConfig:
 
 
 # settings that change what is generated: a resumed run must use the same ones
-_SAME_ON_RESUME = (
-    "target_fingerprint",
-    "data",
-    "max_turns",
-    "max_new_tokens",
-    "max_prompt_len",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "dtype",
+_GENERATION = ("max_turns", "max_new_tokens", "max_prompt_len", "temperature", "top_p", "top_k", "seed")
+_SAME_ON_RESUME = ("target_fingerprint", "data", *_GENERATION, "dtype")
+# the options the provenance's settings record (in this order, after the target's entries)
+_RECORDED = ("data", "num_records", *_GENERATION, "batch_size", "max_output_mb", "engine", "slots")
+
+# the finite options both capture commands check: (option, ok(value), the range in words)
+FINITE_OPTIONS = (
+    ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("time_limit", lambda v: v >= 0, "at least 0 (0 = none)"),
 )
 
 
@@ -298,11 +297,15 @@ def _counts(records: list[dict], dropped: list[dict], source_total: int) -> dict
     }
 
 
+def check_engine(engine: str):
+    if engine not in ("auto", "slots", "hf"):
+        raise SystemExit(f"error: --engine must be auto, slots or hf, got {engine!r}")
+
+
 def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
     from models.fast_target import FAMILIES  # fast_target imports flex attention and dynamo (seconds): regenerate only
 
-    if engine not in ("auto", "slots", "hf"):
-        raise SystemExit(f"error: --engine must be auto, slots or hf, got {engine!r}")
+    check_engine(engine)
     model_type = json.loads((target_dir / "config.json").read_text()).get("model_type")
     if engine == "slots" and model_type not in FAMILIES:
         raise SystemExit(
@@ -313,37 +316,69 @@ def pick_engine(engine: str, target_dir: Path, device_kind: str) -> str:
     return engine
 
 
+def load_target_model(engine: str, target_dir: Path, dtype: torch.dtype, device: torch.device):
+    """The target for `engine`: FastTarget (slots) or transformers' model (hf), in eval mode on device."""
+    if engine == "slots":
+        from models.fast_target import FastTarget  # (deferred: see pick_engine)
+
+        return FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+
+
+def check_at_least(cfg, at_least: dict[str, int]):
+    """One `error:` line for the first option below its least value."""
+    for name, low in at_least.items():
+        if (v := getattr(cfg, name)) < low:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
+
+
+def check_finite(cfg, rules):
+    """rules: (option, ok(value), the range in words); NaN and infinity are refused too."""
+    for name, ok, rng in rules:
+        if not (math.isfinite(v := getattr(cfg, name)) and ok(v)):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
+
+
 def check_regen(cfg: RegenConfig):
     """Option values that cannot work, one `error:` line each, before the target or data load (--batch-size 0
     was a traceback mid-run, --max-new-tokens 0 wrote empty replies)."""
     at_least = {"batch_size": 1, "max_new_tokens": 1, "max_prompt_len": 1, "slots": 1, "num_records": 0}
     at_least |= {"max_turns": 0, "top_k": 0}
-    for name, low in at_least.items():
-        if (v := getattr(cfg, name)) < low:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be at least {low}, got {v}")
-    if cfg.engine not in ("auto", "slots", "hf"):  # (was refused only after the target had loaded)
-        raise SystemExit(f"error: --engine must be auto, slots or hf, got {cfg.engine!r}")
-    for name, ok, rng in (
-        ("temperature", lambda v: v >= 0, "at least 0 (0 = greedy)"),
-        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("time_limit", lambda v: v >= 0, "at least 0 (0 = none)"),
-        ("max_output_mb", lambda v: v >= 0, "at least 0 (0 = no limit)"),
-    ):
-        if not (math.isfinite(v := getattr(cfg, name)) and ok(v)):
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number {rng}, got {v}")
+    check_at_least(cfg, at_least)
+    check_engine(cfg.engine)  # (was refused only after the target had loaded)
+    check_finite(cfg, FINITE_OPTIONS + (("max_output_mb", lambda v: v >= 0, "at least 0 (0 = no limit)"),))
 
 
-def regenerate(cfg: RegenConfig) -> dict:
-    from transformers import AutoModelForCausalLM
+def check_resume(prov: dict | None, settings: dict, keys, out: Path, verb: str, defaults: dict | None = None):
+    """A rerun onto an output (prov: its provenance, None when new) must use the same settings `keys`; defaults:
+    what an older file that lacks a key had."""
+    if prov is not None:
+        diff = {
+            k: (old, settings[k])
+            for k in keys
+            if (old := prov["settings"].get(k, (defaults or {}).get(k))) != settings[k]
+        }
+        if diff:
+            raise SystemExit(f"error: {out} was {verb} with other settings {diff} (old, new): use another --out")
 
-    check_regen(cfg)
-    check_inputs(cfg.target, cfg.data)
-    check_out(Path(cfg.out), is_dir=False)
-    t_start = time.time()
-    deadline = t_start + cfg.time_limit if cfg.time_limit else None
-    kind, dtype = pick_device(cfg.device, cfg.dtype)
-    device = torch.device(kind)
-    target_dir = resolve_target(cfg.target)
+
+def write_json(path: Path, doc: dict):
+    """path replaced by doc in one step (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def end_run(run: dict, t0: float, new_tok: int):
+    """The run's generation time and speed, measured from t0, into its provenance entry."""
+    el = time.time() - t0
+    run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
+
+
+def _fit_prompt_len(cfg: RegenConfig, target_dir: Path) -> RegenConfig:
+    """cfg, its max_prompt_len lowered to what the target's context leaves beside max_new_tokens."""
     check_context(target_dir, cfg.max_new_tokens, "--max-new-tokens")
     if (ctx := target_context(target_dir)) and cfg.max_prompt_len + cfg.max_new_tokens > ctx:
         # a prompt and its reply share the context: past it the target decodes positions it never saw
@@ -359,102 +394,22 @@ def regenerate(cfg: RegenConfig) -> dict:
             flush=True,
         )
         cfg = replace(cfg, max_prompt_len=fit)
-    tokenizer = load_tokenizer(target_dir)
-    records = load_records(cfg.data, cfg.num_records or None)
-    if not records:  # e.g. a prompts file that an earlier step left empty: say so instead of "complete"
-        raise DataError(f"{cfg.data}: no conversations to regenerate (the file is empty)")
-    ids = conversation_ids(records)
-    out = Path(cfg.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    dropped_path, prov_path = sidecars(out)
-    settings = {
+    return cfg
+
+
+def _regen_settings(cfg: RegenConfig, target_dir: Path, dtype: torch.dtype) -> dict:
+    """The provenance's settings ("engine" is cfg.engine until the engine is picked)."""
+    return {
         "target": cfg.target,
         "target_path": str(target_dir),
         "target_fingerprint": fingerprint(target_dir),
-        **{
-            k: getattr(cfg, k)
-            for k in (
-                "data",
-                "num_records",
-                "max_turns",
-                "max_new_tokens",
-                "max_prompt_len",
-                "temperature",
-                "top_p",
-                "top_k",
-                "seed",
-                "batch_size",
-                "max_output_mb",
-                "engine",
-                "slots",
-            )
-        },
+        **{k: getattr(cfg, k) for k in _RECORDED},
         "dtype": str(dtype).removeprefix("torch."),
     }
-    prov = provenance(out, "regenerate")
-    if prov is not None:
-        diff = {
-            k: (prov["settings"].get(k), settings[k]) for k in _SAME_ON_RESUME if prov["settings"].get(k) != settings[k]
-        }
-        if diff:
-            raise SystemExit(f"error: {out} was generated with other settings {diff} (old, new): use another --out")
-    done_records, done_dropped = read_jsonl_repair(out), read_jsonl_repair(dropped_path)
-    out.touch()
-    dropped_path.touch()
-    done = {r["id"] for r in done_records} | {d["id"] for d in done_dropped}
-    pending = [(cid, rec) for cid, rec in zip(ids, records) if cid not in done]
-    print(
-        f"[regen] {len(records)} conversations from {cfg.data}: {len(done)} done before, {len(pending)} to do; "
-        f"target {target_dir} ({dtype}, {kind})",
-        flush=True,
-    )
 
-    engine = settings["engine"] = pick_engine(cfg.engine, target_dir, kind)
-    if engine == "slots":
-        from models.fast_target import FastTarget  # (deferred: see pick_engine)
 
-        model = FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
-    print(
-        f"[regen] engine {engine}"
-        + (f", {cfg.slots} slots" if engine == "slots" else f", batches of {cfg.batch_size}"),
-        flush=True,
-    )
-    torch.manual_seed(cfg.seed + len(done))  # a resumed sampling run continues with a fresh stream
-    runs = (prov or {}).get("runs", [])
-    run = {
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": socket.gethostname(),
-        "hardware": hardware(device),
-        "versions": versions(),
-        "git_commit": git_commit(),
-        "done_before": len(done),
-    }
-
-    def write_provenance(status: str):
-        run.update(
-            status=status, seconds=round(time.time() - t_start, 1), updated=time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        )
-        doc = {
-            "output": out.name,
-            "dropped": dropped_path.name,
-            "model": {
-                "spec": cfg.target,
-                "path": str(target_dir),
-                "name": getattr(model.config, "_name_or_path", ""),
-                "fingerprint": settings["target_fingerprint"],
-            },
-            "source": {"data": cfg.data, "num_records": cfg.num_records, "conversations": len(records)},
-            "settings": settings,
-            "counts": _counts(done_records, done_dropped, len(records)),
-            "runs": runs + [run],
-        }
-        tmp = prov_path.with_name(prov_path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False))
-        os.replace(tmp, prov_path)
-        return doc
-
+def _ordered_conversations(pending: list[tuple[str, dict]], batch_size: int) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of the pending records."""
     # conversations in dataset order, sorted by length inside windows of 8 batches (less padding;
     # a time-limited run still covers the dataset's head evenly)
     convs = []
@@ -463,88 +418,198 @@ def regenerate(cfg: RegenConfig) -> dict:
             convs.append((rec_id, to_messages(rec)))
         except DataError as e:
             raise DataError(f"record {rec_id}: {e}") from e
-    W = cfg.batch_size * 8
+    W = batch_size * 8
     ordered = []
     for w in range(0, len(convs), W):
         ordered += sorted(convs[w : w + W], key=lambda c: sum(len(m["content"]) for m in c[1][:2]))
-    batches = [ordered[i : i + cfg.batch_size] for i in range(0, len(ordered), cfg.batch_size)]
+    return ordered
 
-    status, t0, new_tok, last = "complete", time.time(), 0, 0.0
-    write_provenance("running")
 
-    def progress(label: str, n_left: int):
-        el = time.time() - t0
-        c = write_provenance("running")["counts"]
-        n_done = c["written"] + c["dropped"] - len(done)
+class _RegenRun:
+    """One regenerate run's output: the JSONL and its dropped file (every conversation finished, earlier runs'
+    included, resumed from what they hold) and the provenance, rewritten as conversations finish."""
+
+    def __init__(self, cfg: RegenConfig, target_dir: Path, settings: dict, prov: dict | None, n_source: int, t_start):
+        self.cfg, self.target_dir, self.settings, self.n_source = cfg, target_dir, settings, n_source
+        self.t_start = t_start  # when the command started
+        self.out = Path(cfg.out)
+        self.dropped_path, self.prov_path = sidecars(self.out)
+        self.runs = (prov or {}).get("runs", [])  # earlier runs' entries
+        self.done_records, self.done_dropped = read_jsonl_repair(self.out), read_jsonl_repair(self.dropped_path)
+        self.out.touch()
+        self.dropped_path.touch()
+        self.done = {r["id"] for r in self.done_records} | {d["id"] for d in self.done_dropped}  # before this run
+        self.run, self.model_name, self.status, self.t0, self.new_tok = {}, "", "complete", 0.0, 0
+
+    def start(self, device: torch.device, model):
+        """This run's provenance entry, before any conversation is generated."""
+        self.model_name = getattr(model.config, "_name_or_path", "")
+        self.run = {
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "host": socket.gethostname(),
+            "hardware": hardware(device),
+            "versions": versions(),
+            "git_commit": git_commit(),
+            "done_before": len(self.done),
+        }
+
+    def write_provenance(self, status: str) -> dict:
+        self.run.update(
+            status=status, seconds=round(time.time() - self.t_start, 1), updated=time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        )
+        cfg = self.cfg
+        doc = {
+            "output": self.out.name,
+            "dropped": self.dropped_path.name,
+            "model": {
+                "spec": cfg.target,
+                "path": str(self.target_dir),
+                "name": self.model_name,
+                "fingerprint": self.settings["target_fingerprint"],
+            },
+            "source": {"data": cfg.data, "num_records": cfg.num_records, "conversations": self.n_source},
+            "settings": self.settings,
+            "counts": _counts(self.done_records, self.done_dropped, self.n_source),
+            "runs": self.runs + [self.run],
+        }
+        write_json(self.prov_path, doc)
+        return doc
+
+    def progress(self, label: str, n_left: int):
+        el = time.time() - self.t0
+        c = self.write_provenance("running")["counts"]
+        n_done = c["written"] + c["dropped"] - len(self.done)
         eta = el / max(n_done, 1) * n_left
         print(
             f"[regen] {label}: {c['written']} written, {c['dropped']} dropped, {c['remaining']} remaining; "
-            f"{new_tok} new tokens, {new_tok / el:.0f} tok/s; {el:.0f} s, eta {eta:.0f} s",
+            f"{self.new_tok} new tokens, {self.new_tok / el:.0f} tok/s; {el:.0f} s, eta {eta:.0f} s",
             flush=True,
         )
 
-    def over_size() -> bool:
-        return bool(cfg.max_output_mb) and out.exists() and out.stat().st_size > cfg.max_output_mb * 1e6
-
-    def record(recs: list[dict], drops: list[dict]):
-        """Finished conversations: appended to the output (and the dropped file) at once."""
-        nonlocal new_tok
-        append_rows(out, recs)
-        append_rows(dropped_path, drops)
-        done_records.extend(recs)
-        done_dropped.extend(drops)
-        new_tok += sum(r["new_tokens"] for r in recs)
-
-    if engine == "slots":
-        from models.generate import Sampling, SlotGenerator  # (deferred: see pick_engine)
-
-        gen = SlotGenerator(
-            model,
-            cfg.slots,
-            cfg.max_prompt_len,
-            cfg.max_new_tokens,
-            eos_ids(model, tokenizer),
-            Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
-            seed=cfg.seed + len(done),
+    def over_size(self) -> bool:
+        return (
+            bool(self.cfg.max_output_mb)
+            and self.out.exists()
+            and self.out.stat().st_size > self.cfg.max_output_mb * 1e6
         )
-        last_print = [time.time()]
 
-        def emit(recs, drops):
-            record(recs, drops)
-            if time.time() - last_print[0] > 30:
-                last_print[0] = time.time()
-                progress(f"step {gen.steps}", len(pending) - (len(done_records) + len(done_dropped) - len(done)))
+    def record(self, recs: list[dict], drops: list[dict]):
+        """Finished conversations: appended to the output (and the dropped file) at once."""
+        append_rows(self.out, recs)
+        append_rows(self.dropped_path, drops)
+        self.done_records.extend(recs)
+        self.done_dropped.extend(drops)
+        self.new_tok += sum(r["new_tokens"] for r in recs)
 
-        def stop() -> bool:
-            nonlocal status
-            if deadline is not None and time.time() > deadline:
-                status = "stopped_by_time_limit"  # conversations in flight are dropped; a rerun redoes them
-            elif over_size():
-                status = "stopped_by_size_limit"
-            return status != "complete"
+    def finish(self) -> dict:
+        """The final provenance (status: why the run ended) and the closing lines."""
+        end_run(self.run, self.t0, self.new_tok)
+        doc = self.write_provenance(self.status)
+        print(f"[regen] {self.status}: {json.dumps(doc['counts'])}", flush=True)
+        print(f"[regen] wrote {self.out}, {self.dropped_path.name}, {self.prov_path.name}", flush=True)
+        return doc
 
-        if not over_size():
-            regenerate_slots(gen, tokenizer, ordered, cfg, emit, stop)
-        else:
-            status = "stopped_by_size_limit"
-    for bi, batch in enumerate(batches if engine == "hf" else []):
+
+def _regenerate_on_slots(r: _RegenRun, model, tokenizer, ordered: list, n_pending: int, deadline: float | None):
+    """--engine slots: the ordered conversations through regenerate_slots, until done or a limit stops it
+    (r.status says which)."""
+    from models.generate import Sampling, SlotGenerator  # (deferred: see pick_engine)
+
+    cfg = r.cfg
+    gen = SlotGenerator(
+        model,
+        cfg.slots,
+        cfg.max_prompt_len,
+        cfg.max_new_tokens,
+        eos_ids(model, tokenizer),
+        Sampling(cfg.temperature, cfg.top_p, cfg.top_k),
+        seed=cfg.seed + len(r.done),
+    )
+    last_print = [time.time()]
+
+    def emit(recs, drops):
+        r.record(recs, drops)
+        if time.time() - last_print[0] > 30:
+            last_print[0] = time.time()
+            r.progress(f"step {gen.steps}", n_pending - (len(r.done_records) + len(r.done_dropped) - len(r.done)))
+
+    def stop() -> bool:
+        if deadline is not None and time.time() > deadline:
+            r.status = "stopped_by_time_limit"  # conversations in flight are dropped; a rerun redoes them
+        elif r.over_size():
+            r.status = "stopped_by_size_limit"
+        return r.status != "complete"
+
+    if not r.over_size():
+        regenerate_slots(gen, tokenizer, ordered, cfg, emit, stop)
+    else:
+        r.status = "stopped_by_size_limit"
+
+
+def _regenerate_in_batches(r: _RegenRun, model, tokenizer, ordered: list, deadline: float | None):
+    """--engine hf: the ordered conversations in batches of --batch-size through regenerate_batch, until done or
+    a limit stops it (r.status says which)."""
+    bs = r.cfg.batch_size
+    batches = [ordered[i : i + bs] for i in range(0, len(ordered), bs)]
+    last = 0.0  # seconds the last batch took
+    for bi, batch in enumerate(batches):
         if deadline is not None and time.time() + last > deadline:
-            status = "stopped_by_time_limit"
+            r.status = "stopped_by_time_limit"
             break
-        if over_size():
-            status = "stopped_by_size_limit"
+        if r.over_size():
+            r.status = "stopped_by_size_limit"
             break
         tb = time.time()
-        res = regenerate_batch(model, tokenizer, batch, cfg, _Deadline(deadline))
+        res = regenerate_batch(model, tokenizer, batch, r.cfg, _Deadline(deadline))
         if res is None:
-            status = "stopped_by_time_limit"  # the unfinished batch is discarded; a rerun redoes it
+            r.status = "stopped_by_time_limit"  # the unfinished batch is discarded; a rerun redoes it
             break
-        record(*res)
+        r.record(*res)
         last = time.time() - tb
-        progress(f"batch {bi + 1}/{len(batches)}", max(0, len(convs) - (bi + 1) * cfg.batch_size))
-    el = time.time() - t0
-    run.update(generate_seconds=round(el, 2), new_tokens=new_tok, tokens_per_s=round(new_tok / max(el, 1e-9)))
-    doc = write_provenance(status)
-    print(f"[regen] {status}: {json.dumps(doc['counts'])}", flush=True)
-    print(f"[regen] wrote {out}, {dropped_path.name}, {prov_path.name}", flush=True)
-    return doc
+        r.progress(f"batch {bi + 1}/{len(batches)}", max(0, len(ordered) - (bi + 1) * bs))
+
+
+def regenerate(cfg: RegenConfig) -> dict:
+    check_regen(cfg)
+    check_inputs(cfg.target, cfg.data)
+    check_out(Path(cfg.out), is_dir=False)
+    t_start = time.time()
+    deadline = t_start + cfg.time_limit if cfg.time_limit else None
+    kind, dtype = pick_device(cfg.device, cfg.dtype)
+    device = torch.device(kind)
+    target_dir = resolve_target(cfg.target)
+    cfg = _fit_prompt_len(cfg, target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    records = load_records(cfg.data, cfg.num_records or None)
+    if not records:  # e.g. a prompts file that an earlier step left empty: say so instead of "complete"
+        raise DataError(f"{cfg.data}: no conversations to regenerate (the file is empty)")
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = _regen_settings(cfg, target_dir, dtype)
+    prov = provenance(out, "regenerate")
+    check_resume(prov, settings, _SAME_ON_RESUME, out, "generated")
+    r = _RegenRun(cfg, target_dir, settings, prov, len(records), t_start)
+    pending = [(cid, rec) for cid, rec in zip(conversation_ids(records), records) if cid not in r.done]
+    print(
+        f"[regen] {len(records)} conversations from {cfg.data}: {len(r.done)} done before, {len(pending)} to do; "
+        f"target {target_dir} ({dtype}, {kind})",
+        flush=True,
+    )
+
+    engine = settings["engine"] = pick_engine(cfg.engine, target_dir, kind)
+    model = load_target_model(engine, target_dir, dtype, device)
+    print(
+        f"[regen] engine {engine}"
+        + (f", {cfg.slots} slots" if engine == "slots" else f", batches of {cfg.batch_size}"),
+        flush=True,
+    )
+    torch.manual_seed(cfg.seed + len(r.done))  # a resumed sampling run continues with a fresh stream
+    r.start(device, model)
+    ordered = _ordered_conversations(pending, cfg.batch_size)
+    r.t0 = time.time()
+    r.write_provenance("running")
+    if engine == "slots":
+        _regenerate_on_slots(r, model, tokenizer, ordered, len(pending), deadline)
+    else:
+        _regenerate_in_batches(r, model, tokenizer, ordered, deadline)
+    return r.finish()
