@@ -233,7 +233,7 @@ class TokenBatches:
 
 
 def plan_batches(cfg, train: list[Example], row_len: int):
-    """A run's data order, built alike by train.py's Trainer and the disaggregated producers: GlobalBatches
+    """A run's data order, built alike by core/trainer.py's Trainer and the disaggregated producers: GlobalBatches
     of cfg.batch_size conversations, or with cfg.batch_tokens TokenBatches of batch_tokens // max_len rows
     of row_len tokens (row_len >= cfg.max_len: a feature store captured at a larger --max-len has longer rows).
     batch_tokens -1 (train.py's auto) reaches here only where it means conversations (disaggregated runs)."""

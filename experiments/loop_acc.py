@@ -63,8 +63,9 @@ class Args:
 
 def main(a: Args):
     from core.runlog import run_metadata
+    from core.train_config import TrainConfig
+    from core.trainer import Trainer
     from export import open_draft
-    from train import TrainConfig, Trainer
 
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())

@@ -28,7 +28,7 @@ def failed(p, *messages):
 
 
 def cfg_of(target, data, out, **kw):
-    from train import TrainConfig
+    from core.train_config import TrainConfig
 
     base = dict(
         target=str(target),

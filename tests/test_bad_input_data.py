@@ -336,7 +336,7 @@ def test_truncated_target_weights_are_named(tmp_path, tiny_run_inputs):
 )
 def test_config_file_values_are_checked(tmp_path, text, message):
     from core.config import cli
-    from train import TrainConfig
+    from core.train_config import TrainConfig
 
     y = tmp_path / "run.yaml"
     y.write_text(text)
@@ -353,7 +353,7 @@ def test_config_file_values_are_checked(tmp_path, text, message):
 
 def test_config_file_that_is_not_yaml_text(tmp_path):
     from core.config import cli
-    from train import TrainConfig
+    from core.train_config import TrainConfig
 
     for path, message in [(tmp_path, "IsADirectoryError"), (_cut_gz(tmp_path / "a.gz"), "UnicodeDecodeError")]:
         with pytest.raises(SystemExit, match=f"error: --config {path}: cannot be read as a YAML file \\({message}"):

@@ -54,7 +54,7 @@ def test_defaults_match_train():
     """`capture.py features` and `train.py` must tokenize alike by default (sample ids line up)."""
     from dataclasses import fields
 
-    from train import TrainConfig
+    from core.train_config import TrainConfig
 
     t, c = TrainConfig(), FeaturesConfig()
     for f in ("target", "data", "num_records", "max_len", "aux_layers"):

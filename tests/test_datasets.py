@@ -91,8 +91,8 @@ def test_global_batches_deterministic_and_rank_split():
 def test_packaged_regenerated_chats(name, n):
     import json
 
+    from core.train_config import TrainConfig
     from data.datasets import DEFAULT_DATA, PACKAGED
-    from train import TrainConfig
 
     assert TrainConfig().data == DEFAULT_DATA == "sharegpt-greedy"
     recs = load_records(name)

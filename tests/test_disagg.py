@@ -146,7 +146,7 @@ def test_rollback_requeues_untrained_steps(tmp_path):
 
 def test_yaml_config_with_overrides(tmp_path):
     from core.config import cli
-    from train import TrainConfig
+    from core.train_config import TrainConfig
 
     y = tmp_path / "run.yaml"
     y.write_text("lr: 0.01\naux_layers: [1, 2]\ndeploy:\n  producers: 2\n  high_watermark: 64\nrole: consumer\n")

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from core.speculative import TargetRunner, proposer_for, speculative_generate
+from core.train_config import ConfigError, TrainConfig, validate
 from data.datasets import collate
 from export import export, load_checkpoint, load_exported
 from models.families import FAMILIES, FAMILY_OPTIONS
 from models.proposer import Proposer
 from tests.test_packing import _draft_setup, _strategy_step
-from train import ConfigError, TrainConfig, validate
 
 
 def _config(name: str) -> TrainConfig:

@@ -333,8 +333,8 @@ def test_compiled_packed_step_equals_eager_rows_cuda(strategy, objective):
 def _family_packed_vs_rows(strategy, objective, attention, device, rtol, compiled=False, padding_rows=0):
     from types import SimpleNamespace
 
+    from core.train_config import TrainConfig
     from models.families import FAMILIES
-    from train import TrainConfig
 
     cfg = TrainConfig(
         strategy=strategy,
@@ -493,8 +493,8 @@ def test_what_cannot_pack_is_named():
     """train.py packs only where documents stay apart: otherwise --pack on refuses and auto runs unpacked."""
     import dataclasses
 
+    from core.train_config import TrainConfig, packing_blocker
     from models.families import FAMILIES
-    from train import TrainConfig, packing_blocker
 
     ok = TrainConfig()
     assert packing_blocker(ok, FAMILIES["eagle3"], "cpu", "sdpa") is None
@@ -529,8 +529,9 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
     import dataclasses
     from types import SimpleNamespace
 
+    from core.train_config import ConfigError, TrainConfig
+    from core.trainer import Trainer
     from models.families import FAMILIES
-    from train import ConfigError, TrainConfig, Trainer
 
     said = []
     for mode in ("on", "auto"):

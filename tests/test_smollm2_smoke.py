@@ -6,9 +6,10 @@ import gguf
 import pytest
 import torch
 
+from core.train_config import TrainConfig
+from core.trainer import Trainer
 from data.assets import asset_path
 from models.target import Target, gguf_parsed_once
-from train import TrainConfig, Trainer
 
 
 @pytest.mark.slow

@@ -145,7 +145,7 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
 def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
     """--time-limit (start-up counts, so a tiny limit stops after the first step) saves and says how to go on;
     an unfinished run exits EXIT_STOPPED (75), not 0, and run.json says it stopped and why."""
-    from train import EXIT_STOPPED
+    from core.trainer import EXIT_STOPPED
 
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--time-limit", "0.001"], check=False)
@@ -163,7 +163,7 @@ def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
 def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_inputs, sig):
     """A scheduler's (or `timeout`'s) SIGTERM, or Ctrl-C, ends the run at a step boundary with a checkpoint;
     the exit status (75) tells scripts the run is unfinished, and run.json says it stopped and why."""
-    from train import EXIT_STOPPED
+    from core.trainer import EXIT_STOPPED
 
     target, data = tiny_run_inputs
     out = tmp_path / "s"

@@ -12,7 +12,7 @@ others only in the control database (control.py) and the feature store:
   same step), reads its rows, trains, and after the optimizer step rank 0 records the step's
   samples in the ledger and acks them, which deletes their features;
 - a restarted consumer resumes from its checkpoint; ledger rows past it go back to the producers.
-The consumer is train.py's Trainer with three hooks (heads-only target, step_examples, after_step):
+The consumer is core/trainer.py's Trainer with three hooks (heads-only target, step_examples, after_step):
 the loss, FSDP, checkpoints and logs are the colocated ones, so a disaggregated run follows
 the colocated loss curve.
 """
@@ -200,7 +200,8 @@ def consumer_target(target_dir, aux_layers, dtype, device):
 
 
 def consumer_class(Trainer):
-    """train.py's Trainer (passed in: core/disagg/ does not import the entry script) with the consumer's hooks."""
+    """core.trainer.Trainer (passed in: core/trainer.py imports this module, so importing it here would close a
+    cycle) with the consumer's hooks."""
 
     class Consumer(Trainer):
         """Trainer whose features come from the producers, one optimizer step at a time."""
@@ -371,7 +372,7 @@ def launch(cfg):
 
 
 def main(cfg, Trainer, vllm_target=None):
-    """train.py's entry for --role / --producers; Trainer: train.py's, which a consumer runs with its hooks;
+    """train.py's entry for --role / --producers; Trainer: core.trainer's, which a consumer runs with its hooks;
     vllm_target: tools/vllm_features.vllm_target, for producers with --backend vllm."""
     role = cfg.deploy.role
     try:

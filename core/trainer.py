@@ -1,0 +1,773 @@
+"""The training loop behind train.py: Trainer (target and draft loading, data feeding, the step, evaluation,
+checkpoints and resume, run.json and metrics.jsonl), the exit statuses a run ends with and CheckpointError.
+Library code: train.py runs it from the command line, core/disagg/roles.py subclasses it for a consumer and
+experiments/loop_acc.py evaluates with it, none of them importing the entry script."""
+
+import dataclasses
+import errno
+import json
+import math
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.disagg.roles import consumer_target
+from core.distributed import all_min, all_sum, barrier, init_distributed
+from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
+from core.optim import MuonAdamW, lr_at, muon_groups
+from core.runlog import (
+    Heartbeat,
+    RunLog,
+    StopRequest,
+    Throughput,
+    clear_previous_run,
+    compiled_graphs,
+    peak_flops,
+    run_metadata,
+    write_checkpoint,
+)
+from core.train_config import (
+    ConfigError,
+    TrainConfig,
+    auto_batch_tokens,
+    checkpoints,
+    gpu_batch_tokens,
+    packing_blocker,
+    validate,
+)
+from core.vllm_features import vllm_target
+from data.chat import DataError
+from data.datasets import build_examples, collate, load_records, split_holdout, tokenize_workers
+from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
+from data.prefetch import Prefetcher
+from data.vocab import count_tokens
+from models.families import FAMILIES
+from models.layers import param_count
+from models.moe import MoESizeError
+from models.target import TargetHeads, config_int, load_tokenizer, past_context, resolve_target
+
+# The exit status of a run stopped early with a checkpoint (a first SIGTERM or Ctrl-C, --time-limit): not
+# finished, `--resume` continues it. 75 is sysexits.h's EX_TEMPFAIL ("try again later"), apart from 0
+# (finished, or stopped after --stop-after steps as asked) and 1 (failed: an `error:` line or a traceback).
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
+QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read back."""
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        validate(cfg)
+        self.family = FAMILIES[cfg.strategy]
+        if cfg.objective == "auto":
+            cfg = dataclasses.replace(cfg, objective=self.family.objectives[0])
+        if cfg.objective not in self.family.objectives:
+            raise ConfigError(
+                f"--objective {cfg.objective!r} is not one of {cfg.strategy}'s: {', '.join(self.family.objectives)}"
+            )
+        if cfg.compile and cfg.objective.startswith("lk"):
+            raise ConfigError(
+                "--compile with the LK objectives is untested "
+                "(their batch-mean acceptance is all-reduced inside the step)"
+            )
+        if cfg.device not in ("auto", "cpu", "cuda"):  # anything else ran on the CPU without a word
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+        kind = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        auto = self.family.auto(kind)
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in auto.items() if getattr(cfg, k) == "auto"})
+        if kind == "cpu" and cfg.attention.startswith("flex"):
+            raise ConfigError(
+                "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
+            )
+        if cfg.backend not in ("auto", *BACKENDS):
+            raise ConfigError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+        self.cfg = cfg
+        self.rank, self.world, local = init_distributed(kind)
+        self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
+        if kind == "cuda":
+            torch.cuda.set_device(self.device)
+        # --tp: a (dp, tp) mesh, rank = d*tp + t. Ranks of one tp group (contiguous, so on one host's
+        # NVLink) run the target on one batch together: data is split by dp rank, not rank. The draft
+        # stays FSDP2 over the whole world: tp peers get identical batches, hence identical gradients,
+        # and the global normalisers (summed over all ranks) and FSDP's world average count each tp-fold,
+        # which cancels; one sharded copy cannot drift apart as dp-only replicas could under GPU
+        # nondeterminism.
+        self.dp_rank, self.dp_size, self.tp_mesh = self.rank, self.world, None
+        if cfg.tp > 1:
+            if self.world % cfg.tp or cfg.backend not in ("auto", "compiled") or cfg.features or cfg.deploy.role:
+                raise ConfigError(
+                    f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
+                    "with an online target (no --features, no disaggregated roles)"
+                )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(kind, (self.world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
+            self.tp_mesh, self.dp_rank, self.dp_size = mesh["tp"], mesh.get_local_rank("dp"), mesh.size(0)
+        # bf16 on GPU; fp32 on CPU, where bf16 matmuls are emulated and ~30x slower
+        self.dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+        torch.manual_seed(cfg.seed)
+        self.out = Path(cfg.out)
+        self.log = RunLog(self.out, enabled=self.rank == 0)
+        self.schedule = 0.0  # fraction of training done (loss schedules, e.g. Domino's curriculum)
+
+        target_dir = resolve_target(cfg.target) if self.rank == 0 else None
+        self.barrier()
+        target_dir = resolve_target(cfg.target)
+        if cfg.backend == "auto":
+            backend, why = pick_backend(target_dir, kind)
+            if why and not (cfg.features or cfg.deploy.role == "consumer"):  # else no target forward runs here
+                self.print(f"[target] --backend hf: {why}")
+            self.cfg = cfg = dataclasses.replace(cfg, backend=backend)
+            if cfg.tp > 1 and backend == "hf":
+                raise SystemExit(
+                    f"--tp {cfg.tp} needs the compiled target: {why or 'hf on CPU'}; pass --backend compiled"
+                )
+        if not cfg.features and (why := past_context(target_dir, cfg.max_len, "--max-len")):  # (a store: its own)
+            raise ConfigError(f"{why}: a longer conversation would run the target past it; pass a smaller --max-len")
+        V = config_int(target_dir, "vocab_size")
+        if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
+            raise ConfigError(
+                f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
+                f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's"
+            )
+        self.store = None
+        if cfg.features:
+            self.store, self._stored, self.target = open_for_training(
+                cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device
+            )
+        elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (core/disagg/roles.py)
+            self.target = consumer_target(target_dir, cfg.aux_layers, self.dtype, self.device)
+        else:
+            aux = list(cfg.aux_layers) or None
+            self.target = load_target(
+                cfg.backend, target_dir, aux, self.dtype, self.device, cfg.max_len, vllm_target, tp_mesh=self.tp_mesh
+            )
+            if self.tp_mesh is not None:
+                self.print(
+                    f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)"
+                )
+        self.tokenizer = load_tokenizer(target_dir)
+        self.pack = self._packing(kind)
+        self.cfg = cfg = self._batching(kind)
+        self.row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
+        self._load_data()
+        self._build_draft()
+
+    def _packing(self, kind: str) -> bool:
+        """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
+        refuses --pack on and runs auto unpacked, saying why."""
+        attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
+        why = packing_blocker(self.cfg, self.family, kind, attn_impl)
+        if self.cfg.pack == "on" and why:
+            raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
+        if self.cfg.pack == "auto" and why:
+            self.print(f"[data] one conversation per row: {why}")
+        return self.cfg.pack != "off" and why is None
+
+    def _batching(self, kind: str) -> "TrainConfig":
+        """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget:
+        on a GPU sized from its memory (gpu_batch_tokens); a resumed run keeps the budget it started with (the
+        same batches)."""
+        cfg = self.cfg
+        why = []
+
+        def sized() -> int:
+            tokens = None
+            if cfg.resume:  # run.json's config is the first start's (core/runlog.RunLog.start)
+                try:
+                    tokens = json.loads((self.out / "run.json").read_text())["config"]["batch_tokens"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass  # no readable run.json: load() and RunLog.start say so
+            if isinstance(tokens, int) and tokens > 0:
+                why.append("the budget this run started with (--resume)")
+                return tokens
+            sizes = {k: config_int(self.target.path, k) for k in ("hidden_size", "intermediate_size", "vocab_size")}
+            if None in sizes.values():  # a config without them: the --batch-size rows
+                why.append(f"{cfg.batch_size} rows: the target's config.json names no {', '.join(sizes)}")
+                return cfg.batch_size * cfg.max_len
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(self.device), self.dp_size)
+            agreed = int(all_min(torch.tensor([tokens], device=self.device)).item())  # every rank the same batches
+            why.append(text + (f"; {agreed} tokens, the smallest rank's" if agreed != tokens else ""))
+            return agreed
+
+        budget = auto_batch_tokens(cfg, kind, self.pack, sized)
+        if budget == cfg.batch_tokens:
+            return cfg
+        if budget:
+            self.print(
+                f"[data] batching: --batch-tokens {budget} ({budget // cfg.max_len} packed rows of --max-len "
+                f"{cfg.max_len}) a step, the one shape a GPU compiles once; {'; '.join(why)}. --batch-tokens N sets "
+                f"it, --batch-tokens 0 batches --batch-size ({cfg.batch_size}) conversations"
+            )
+        return dataclasses.replace(cfg, batch_tokens=budget)
+
+    def barrier(self):
+        barrier()
+
+    def print(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    heartbeat: Heartbeat | None = None  # while train() runs
+
+    def progress(self, what: str):
+        """Something finished (a step, an evaluation batch): the heartbeat's quiet clock restarts."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(what)
+
+    def bar(self, it, desc: str, total: int | None = None):
+        """`it` with a progress bar on rank 0 (--progress), for the minutes before training's own bar."""
+        if not (self.cfg.progress and self.rank == 0):
+            return it
+        from tqdm import tqdm
+
+        return tqdm(it, desc=desc, total=total, dynamic_ncols=True, leave=False)
+
+    def _load_data(self):
+        cfg, stats = self.cfg, Counter()
+        if cfg.batch_tokens > 0 and not self.pack:  # before minutes of tokenizing
+            raise ConfigError(
+                "--batch-tokens fills packed rows, and this run is not packed "
+                "(--pack off, or the [data] line above says why)"
+            )
+        if self.store is not None:  # tokenized at capture time, exactly as below
+            examples, n_records = self._stored, self.store.schema["data"]["records"]
+            stats.update(self.store.schema["data"]["stats"])
+        else:
+            records = load_records(cfg.data, cfg.num_records or None)
+            workers = tokenize_workers(len(records))  # a pool of processes has no per-record bar
+            src = records if workers > 1 else self.bar(records, "tokenize")
+            examples, n_records = build_examples(src, self.tokenizer, cfg.max_len, stats, workers), len(records)
+        try:
+            self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
+            # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
+            # whose rows then grow to the longest (each conversation still fits one row)
+            longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
+            self.row_len = max(cfg.max_len, longest)
+            self.batches = plan_batches(cfg, self.train_set, self.row_len)
+        except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
+            counts = json.dumps(dict(stats, records=n_records))
+            raise DataError(
+                f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
+                "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
+                "within --max-len; see README 'Training your own draft')"
+            ) from None
+        self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
+        self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
+        if self.row_len > cfg.max_len:
+            self.print(
+                f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
+            )
+        if cfg.batch_tokens > 0:
+            self.print(
+                f"[data] --batch-tokens {cfg.batch_tokens}: {self.batches.rows} rows of {self.row_len} tokens a step, "
+                f"{self.batches.per_epoch} steps an epoch"
+            )
+        self.total_steps = cfg.steps or self.batches.per_epoch
+
+    def _init_from(self, draft, d: Path):
+        """Load --init-draft's tensors (its d2t/t2d too) into the freshly built draft, refusing another config."""
+        from safetensors.torch import load_file
+
+        if not (d / "draft.safetensors").exists():
+            found = checkpoints(d)
+            if not found:
+                raise CheckpointError(f"--init-draft {d}: no draft.safetensors and no checkpoint in {d / 'ckpt'}")
+            d = found[0]
+        try:
+            meta = json.loads((d / "config.json").read_text())
+            sd = load_file(d / "draft.safetensors")
+        except Exception as e:  # missing or damaged file
+            raise CheckpointError(f"--init-draft {d}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
+        ours = self.draft_config.to_dict()
+        differ = sorted(k for k in {*ours, *meta.get("draft", {})} if ours.get(k) != meta.get("draft", {}).get(k))
+        if meta.get("strategy") != self.cfg.strategy or differ:
+            raise CheckpointError(
+                f"--init-draft {d}: a {meta.get('strategy')} draft whose config differs from the {self.cfg.strategy} "
+                f"draft these flags build in {differ} (theirs {[meta.get('draft', {}).get(k) for k in differ]}, "
+                f"ours {[ours.get(k) for k in differ]})"
+            )
+        draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
+        self.print(f"[draft] initialised from {d}")
+
+    def _build_draft(self):
+        cfg, t = self.cfg, self.target
+        counts = count_tokens(self.train_set, t.config.vocab_size)
+        try:
+            draft = self.family.build(cfg, t, counts, self.tokenizer)
+        except MoESizeError as e:  # needs the target's MLP size: known only now
+            raise ConfigError(f"--moe-experts {cfg.moe_experts} on this target: {e}") from None
+        self.draft_config = draft.config
+        if cfg.init_draft:
+            self._init_from(draft, Path(cfg.init_draft))
+        t2d = getattr(draft, "t2d", None)
+        vocab = (
+            ""
+            if t2d is None
+            else (
+                f", draft vocab {int(t2d.sum())} covers "
+                f"{counts[t2d].sum().item() / max(1, counts.sum().item()):.1%} of trained tokens"
+            )
+        )
+        draft.to(self.device)
+        self.print(f"[draft] {cfg.strategy}: {param_count(draft) / 1e6:.1f}M params{vocab}")
+        if self.world > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+            # ZeRO-2 style: parameters stay gathered between forward and backward
+            fully_shard(draft, reshard_after_forward=False, mp_policy=mp)
+        elif self.dtype != torch.float32:
+            draft.to(self.dtype)
+        self.draft = draft
+        # the training step compiled as a unit; the Triton CE stays eager (kernels/ce.py), evaluation eager.
+        # Several ranks: the FSDP2 module is compiled; dynamo skips FSDP's unshard/reshard hooks (they run
+        # eagerly around the one graph, no break), so the gathered parameters are plain inputs to it
+        self.draft_step = torch.compile(draft, dynamic=None) if cfg.compile else draft
+        if cfg.optimizer == "muon":
+            self.opt = MuonAdamW(muon_groups(draft.named_parameters(), cfg.weight_decay), lr=cfg.lr)
+        else:
+            decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
+            no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
+            self.opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                eps=1e-8,
+                fused=True if self.device.type == "cuda" and self.world == 1 else None,
+            )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
+
+    # ---- one batch -> the family's loss ----
+    def host_batch(self, examples, key: int = 0, row_sizes: list[int] | None = None, first: int | None = None) -> dict:
+        """Everything about a batch that the host knows without the GPU: collated tensors, the
+        family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
+        drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
+        during training. key seeds the family's random draws (the step; eval batches: < 0). row_sizes,
+        first: a --batch-tokens step's rows (examples per row, in order) and its examples' global offset."""
+        if self.pack:  # + doc_ids, position_ids, where
+            b = pack(examples, self.row_len, row_sizes=row_sizes)
+        else:
+            b = collate(examples)
+        # row counts that repeat: one compiled shape per count (--batch-tokens steps have one count already)
+        if self.pack and self.row_multiple != 1 and row_sizes is None:
+            R = b["input_ids"].shape[0]
+            b = pad_batch_rows(
+                b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
+            )
+        # one shape for every batch: pad to max_len, a multiple of the flex block (--batch-tokens rows are full)
+        if self.cfg.compile or self.cfg.pad_to_max_len or row_sizes is not None:
+            b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
+        first = self.dp_rank * len(examples) if first is None else first
+        b = self.family.host(b, self.cfg, self.device, key, first=first)
+        # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
+        b.update(
+            examples=examples,
+            ntok=int(b["attention_mask"].sum()),
+            row_tokens=b["attention_mask"].numel(),
+            padded=not bool(b["attention_mask"].all()),
+        )
+        return b
+
+    def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
+        """Target features -> the family's batch -> its loss. With global_counts the per-position
+        normalisers are summed over ranks first, so every rank's loss is a share of one
+        global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
+        already built and on the device (the prefetcher's)."""
+        if b is None:
+            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
+        if self.store is not None:
+            feats = batch_features(
+                self.store,
+                examples,
+                b["input_ids"].shape[1],
+                self.device,
+                self.dtype,
+                where=b.get("where"),
+                n_rows=b["input_ids"].shape[0],
+            )
+        elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
+            feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
+        else:
+            feats = self.target(b["input_ids"], b["attention_mask"] if b["padded"] else None)
+        batch = self.family.make_batch(feats, b, self.target, self.draft)
+        counts = self.family.counts(batch, self.draft, self.cfg)
+        if global_counts:
+            counts = all_sum(counts)
+        draft = self.draft_step if torch.is_grad_enabled() else self.draft
+        loss, stats = self.family.step(draft, batch, counts, self.cfg, b, self.schedule)
+        return loss * scale, stats, counts, b["ntok"]
+
+    def metrics(self, stats, counts) -> dict:
+        loss_sum, correct = all_sum(stats["loss_sum"].clone()), all_sum(stats["correct"].clone().float())
+        out = {}
+        for k in range(self.cfg.ttt_length):
+            out[f"loss_{k}"] = (loss_sum[k] / counts[k, 1].clamp(min=1)).item()
+            out[f"acc_{k}"] = (correct[k] / counts[k, 0].clamp(min=1)).item()
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out acc_k / loss_k over all ranks (each takes every world-th batch)."""
+        K, bs = self.cfg.ttt_length, self.cfg.eval_batch_size
+        tot_loss, tot_correct, tot_counts = torch.zeros(K), torch.zeros(K), torch.zeros(K, 2)
+        # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
+        # past the end reruns its first batch with weight 0
+        n_iter = math.ceil(len(self.eval_set) / (bs * self.dp_size))
+        for j in self.bar(range(n_iter), "eval"):
+            self.progress(f"evaluation, {j} of {n_iter} batches done" if j else "evaluation started")
+            i = (j * self.dp_size + self.dp_rank) * bs
+            w = float(i < len(self.eval_set))
+            _, stats, counts, _ = self.forward(
+                self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j
+            )
+            tot_loss += w * stats["loss_sum"].float().cpu()
+            tot_correct += w * stats["correct"].float().cpu()
+            tot_counts += w * counts.float().cpu()
+        for x in (tot_loss, tot_correct, tot_counts):
+            all_sum(x)
+        out = {}
+        for k in range(K):
+            out[f"acc_{k}"] = (tot_correct[k] / tot_counts[k, 0].clamp(min=1)).item()
+            out[f"loss_{k}"] = (tot_loss[k] / tot_counts[k, 1].clamp(min=1)).item()
+        return out
+
+    # ---- checkpoints ----
+    def save(self, step: int):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
+        rng = {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        }
+        rngs = [None] * self.world
+        if dist.is_initialized():
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        if self.rank == 0:
+            self._write_checkpoint(step, model_sd, optim_sd, rngs)
+        self.barrier()
+
+    def _write_checkpoint(self, step: int, model_sd: dict, optim_sd: dict, rngs: list):
+        """ckpt/step_N with the training state beside the draft (runlog.write_checkpoint: complete or absent,
+        ckpt/latest replaced atomically); a failed write (disk full, ...) is one CheckpointError naming it."""
+        ck = self.out / "ckpt"
+        d = ck / f"step_{step}"
+        meta = {"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}
+        state = {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}
+        try:
+            write_checkpoint(ck, d.name, model_sd, meta, lambda tmp: torch.save(state, tmp / "train_state.pt"))
+        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
+            why = (
+                "no space left on the device"
+                if getattr(e, "errno", None) == errno.ENOSPC
+                else f"{type(e).__name__}: {e}"
+            )
+            try:
+                free = f"; {shutil.disk_usage(ck).free / 2**20:.0f} MiB free there"
+            except OSError:
+                free = ""
+            kept = [c.name for c in checkpoints(self.out)]
+            raise CheckpointError(
+                f"cannot write checkpoint {d} ({why}{free}); removed the partial {d.name}.tmp; "
+                + (
+                    f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)"
+                    if kept
+                    else "no earlier checkpoint"
+                )
+            ) from None
+
+    def latest_checkpoint(self) -> Path | None:
+        found = checkpoints(self.out)
+        return found[0] if found else None
+
+    def load(self) -> int:
+        """Restore the latest checkpoint; if its files are damaged (truncated, corrupted), the newest intact
+        earlier one, saying so."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        found = checkpoints(self.out)
+        if not found:
+            raise CheckpointError(f"--resume: no checkpoint in {self.out / 'ckpt'}")
+        damaged = []
+        for d in found:
+            try:
+                f = d / "train_state.pt"
+                state = torch.load(f, weights_only=False)
+                if not isinstance(state, dict) or not {"optim", "sched", "step", "rng", "world"} <= state.keys():
+                    raise ValueError("not a train_state (keys missing)")
+                f = d / "draft.safetensors"
+                model_sd = load_file(f)
+            except Exception as e:  # any unreadable file: truncated zip, bad safetensors header, missing file, ...
+                why = str(e).splitlines()[0][:200] if str(e) else ""
+                damaged.append(f"{f} ({type(e).__name__}{': ' + why if why else ''})")
+                self.print(f"[resume] {f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''})")
+                continue
+            break
+        else:
+            raise CheckpointError(f"--resume: no intact checkpoint in {self.out / 'ckpt'}: " + "; ".join(damaged))
+        if damaged:
+            self.print(
+                f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)"
+            )
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        try:
+            set_state_dict(
+                self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
+            )
+            self.sched.load_state_dict(state["sched"])
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(
+                f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
+                f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}"
+            ) from None
+        if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
+            rng = state["rng"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"])
+        self.print(f"[resume] {d} at step {state['step']}")
+        return state["step"]
+
+    # ---- throughput ----
+    def throughput(self) -> Throughput:
+        """The run's token counter; MFU's model FLOPs per real token (runlog.Throughput says what they count),
+        only for a family whose draft runs over every row token once per TTT step (EAGLE-3): the others' work per
+        token (P-EAGLE's sampled rollouts, the block drafters' anchors) has no such simple count, so no MFU."""
+        if not self.family.ttt_passes:
+            return Throughput(None, self.world, None)
+        K = self.cfg.ttt_length
+        n_draft = param_count(self.draft)  # DTensor numel is the global size
+        n_target = 0
+        if not isinstance(
+            self.target, TargetHeads
+        ):  # a target forward runs here (not offline / a consumer of producers / --backend vllm: vLLM's process)
+            t = self.target
+            n_target = (
+                param_count(t)
+                - t.embed_tokens.weight.numel()
+                + (t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)
+            )  # lookups are not matmuls; lm_head is
+        return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
+
+    def sync_device(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def global_token_sum(self, xs: list[int]) -> list[float]:
+        """Token counts summed over data-parallel ranks (tp peers hold the same batch)."""
+        t = all_sum(torch.tensor(xs, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu"))
+        return (t / self.cfg.tp).tolist()
+
+    def packing_summary(self, speed: Throughput) -> dict:
+        """run.json: how full the rows of this invocation's training steps were."""
+        real, rows = self.global_token_sum([speed.total_real, speed.total_rows])
+        return {
+            "packed": self.pack,
+            "row_len": self.row_len,
+            "real_tokens": int(real),
+            "row_tokens": int(rows),
+            "efficiency": real / max(rows, 1),
+        }
+
+    # ---- hooks (core/disagg/roles.py's consumer overrides them) ----
+    def step_examples(self, step: int) -> list:
+        """This rank's examples of optimizer step `step`."""
+        return [self.train_set[i] for i in self.batches.indices(step, self.dp_rank, self.dp_size)]
+
+    def after_step(self, step: int):
+        """Called after each optimizer step."""
+
+    # ---- the loop ----
+    def train(self) -> dict:
+        self.heartbeat = Heartbeat(QUIET_S, self.print)
+        try:
+            return self._train()
+        finally:
+            self.heartbeat.close()
+
+    def _train(self) -> dict:
+        cfg = self.cfg
+        if cfg.overwrite and not cfg.resume and self.rank == 0 and (old := clear_previous_run(self.out)):
+            self.print(f"[out] --overwrite: removed the previous run's {', '.join(old)} from {self.out}")
+        start = self.load() if cfg.resume else 0
+        meta = run_metadata(
+            cfg,
+            world=self.world,
+            device=self.device,
+            extra={"data": self.data_stats, "draft": self.draft_config.to_dict(), "target_dir": str(self.target.path)},
+        )
+        # rows of the checkpoint's step and before are the run's record; later ones were logged after it, before
+        # a kill, and are logged again (the final evaluation only follows the last checkpoint: redone too)
+        end = self.total_steps
+        self.log.start(
+            meta,
+            resume=cfg.resume,
+            resume_step=start,
+            keep=lambda r: (
+                r.get("step", 0) < start or (r.get("step") == start and not (start == end and r.get("split") == "eval"))
+            ),
+        )
+        results = {}
+        if not self.eval_set:  # accuracies over no examples would print as 0.000
+            self.print("[eval] --holdout 0: no held-out examples, so no held-out evaluation")
+        if start == 0 and self.eval_set and cfg.eval_at_start:
+            results["eval_start"] = self.evaluate()
+            self.print(f"[eval @0] {fmt(results['eval_start'])}")
+            self.log.write({"step": 0, "split": "eval", **results["eval_start"]})
+        bar = None
+        if cfg.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
+        t0 = time.time()
+        speed = self.throughput()
+
+        def examples_of(step):
+            if isinstance(self.batches, TokenBatches):  # the step's rows as planned (a fixed count of them)
+                rows = self.batches.step_rows(step, self.dp_rank, self.dp_size)
+                first = self.batches.first(step, self.dp_rank, self.dp_size)
+                return self.host_batch(
+                    self.step_examples(step), key=step, row_sizes=[len(r) for r in rows], first=first
+                )
+            return self.host_batch(self.step_examples(step), key=step)
+
+        prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
+        stop = StopRequest(cfg.time_limit, self.device, self.world)
+        try:
+            return self.loop(start, prefetch, stop, speed, bar, t0, results)
+        finally:
+            stop.close()
+
+    def non_finite(self, step: int) -> FloatingPointError:
+        """The error a non-finite loss stops the run with: where the last good checkpoint is, or that none is."""
+        last = self.latest_checkpoint()
+        when = (
+            ""
+            if self.device.type == "cpu"
+            else " at this step (on GPU the loss is checked at log/eval/checkpoint steps)"
+        )
+        return FloatingPointError(
+            f"non-finite loss at step {step}; parameters were not updated{when}. "
+            + (
+                f"Last good checkpoint: {last} (continue from it with --resume and a lower --lr, or check the data)"
+                if last
+                else f"No checkpoint was saved before it ({self.out / 'ckpt'} has none; --ckpt-every N saves along the "
+                "way): lower --lr or check the data, then rerun with --overwrite"
+            )
+        )
+
+    def log_step(self, n: int, stats, counts, loss, gnorm, speed, bar):
+        """metrics.jsonl's train row after step n (accuracies, loss over ranks, lr, grad norm, speed, compiled
+        graphs: a count growing after warm-up means recompiles) and the progress bar's figures."""
+        m = self.metrics(stats, counts)
+        m.update(
+            loss=(all_sum(loss.detach().clone()) / self.world).item(),
+            lr=self.sched.get_last_lr()[0],
+            grad_norm=float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm),
+        )
+        m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
+        m["compiled_graphs"] = compiled_graphs()
+        self.log.write({"step": n, "split": "train", **m})
+        if bar:
+            bar.set_postfix(
+                loss=f"{m['loss']:.3f}",
+                acc0=f"{m['acc_0']:.3f}",
+                acc3=f"{m.get('acc_3', 0):.3f}",
+                graphs=m["compiled_graphs"],
+            )
+
+    def loop(self, start, prefetch, stop, speed, bar, t0, results) -> dict:
+        cfg = self.cfg
+        for step in range(start, self.total_steps):
+            b = next(prefetch)
+            self.schedule = step / self.total_steps
+            loss, stats, counts, ntok = self.forward(b["examples"], scale=float(self.world), b=b)
+            # the finiteness check waits for the GPU: on GPU only at steps that sync anyway (log,
+            # eval, checkpoint, stop), so a bad step is caught before anything is saved
+            n = step + 1
+            why = stop.why(check_ranks=n % cfg.log_every == 0) if n < self.total_steps else ""
+            if not why and cfg.stop_after and n - start >= cfg.stop_after and n < self.total_steps:
+                why = f"--stop-after {cfg.stop_after}"
+            sync = (
+                n % cfg.log_every == 0
+                or n == self.total_steps
+                or (cfg.ckpt_every and n % cfg.ckpt_every == 0)
+                or (cfg.eval_every and n % cfg.eval_every == 0)
+                or why
+            )
+            if (sync or self.device.type == "cpu") and not torch.isfinite(loss):
+                prefetch.close()
+                raise self.non_finite(step)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.after_step(step)
+            self.progress(f"step {step + 1}")
+            speed.step(ntok, b["row_tokens"], self.sync_device)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
+                self.log_step(step + 1, stats, counts, loss, gnorm, speed, bar)
+            if bar:
+                bar.update(1)
+            evaluate = (
+                cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < self.total_steps and self.eval_set
+            )
+            save = cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0
+            if evaluate or save:
+                speed.pause(self.sync_device)  # evaluation and checkpoints are not training throughput
+                if evaluate:
+                    ev = self.evaluate()
+                    self.log.write({"step": step + 1, "split": "eval", **ev})
+                if save:
+                    self.save(step + 1)
+                speed.resume()
+            if why:
+                if bar:
+                    bar.close()
+                prefetch.close()
+                if not (cfg.ckpt_every and n % cfg.ckpt_every == 0):  # else saved just above
+                    self.save(n)
+                self.print(
+                    f"[stop] {why}: after step {n}, checkpoint {self.out / 'ckpt' / f'step_{n}'}; "
+                    "continue with --resume"
+                )
+                self.log.finish(
+                    {"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)}, status="stopped"
+                )
+                return {"stopped_at": n, "stopped_by": why}
+        if bar:
+            bar.close()
+        self.save(self.total_steps)
+        if self.eval_set:
+            results["eval_end"] = self.evaluate()
+        results["train_seconds"] = time.time() - t0
+        results["packing"] = self.packing_summary(speed)
+        if self.eval_set:
+            self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
+            self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
+        self.log.finish(results)
+        o = self.out
+        self.print(
+            f"[out] {o}: checkpoint {o / 'ckpt' / f'step_{self.total_steps}'}, metrics {o / 'metrics.jsonl'}, "
+            f"config and results {o / 'run.json'}, TensorBoard {o / 'tb'}; serve it: python export.py {o}"
+        )
+        return results
+
+
+def fmt(m: dict) -> str:
+    keys = sorted((k for k in m if k.startswith("acc_")), key=lambda k: int(k[4:]))
+    return " ".join(f"{k}={m[k]:.3f}" for k in keys)
