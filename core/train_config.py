@@ -494,13 +494,13 @@ def check_inputs(cfg: TrainConfig):
             f"--out {cfg.out} is {kind}: a run written there would mix with its files; give another --out"
         )
     control = Path(cfg.deploy.control)
-    if cfg.deploy.control and not cfg.resume and control.is_dir() and not (control / "control.db").exists():
-        if found := sorted(p.name for p in control.iterdir()):  # a fresh run deletes its features/ and control.db
-            shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
-            raise ConfigError(
-                f"--control {control} holds files of no run's control directory ({shown}): a fresh run deletes the "
-                "control.db and features/ it finds there; give a new or empty directory"
-            )
+    fresh = cfg.deploy.control and not cfg.resume and control.is_dir() and not (control / "control.db").exists()
+    if fresh and (found := sorted(p.name for p in control.iterdir())):  # a fresh run deletes features/, control.db
+        shown = ", ".join(found[:5]) + (" ..." if len(found) > 5 else "")
+        raise ConfigError(
+            f"--control {control} holds files of no run's control directory ({shown}): a fresh run deletes the "
+            "control.db and features/ it finds there; give a new or empty directory"
+        )
     if not cfg.out.strip():  # was the current directory: a run written among the files there
         raise ConfigError("--out is empty: give the run's directory (a new or empty one, e.g. runs/NAME)")
     out = Path(cfg.out)

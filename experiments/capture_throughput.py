@@ -104,7 +104,7 @@ def random_llama(shape: dict, device, dtype):
     model = model.to(dtype).to_empty(device=device)  # allocated once, in the target dtype
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.02, generator=g)
             else:

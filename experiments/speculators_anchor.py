@@ -181,7 +181,7 @@ def capture(a: Args, verifier: Path) -> Path:
         raise StoreError(f"{store} holds other settings ({d['data']}, {d['num_records']}, {d['max_len']})")
     except StoreError as e:
         if (store / "store.json").exists():
-            raise SystemExit(f"{e}: delete {store} (and {a.work / 'spec_data'}) first")
+            raise SystemExit(f"{e}: delete {store} (and {a.work / 'spec_data'}) first") from None
     cmd = [sys.executable, "capture.py", "features", "--target", str(verifier), "--data", a.data]
     cmd += ["--num-records", str(a.num_records), "--max-len", str(a.max_len), "--out", str(store)]
     cmd += ["--backend", "compiled"]  # models/fast_target.py (layers compiled on a GPU), reads the safetensors

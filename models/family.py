@@ -39,8 +39,9 @@ slots (dflash/domino: blocks of K + 1 with the clean anchor first; dspark: block
 anchor slot predicts the first token).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 

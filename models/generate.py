@@ -32,11 +32,14 @@ from models.fast_target import FastTarget
 from models.layers import merge_heads
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+
+
+GREEDY = Sampling()
 
 
 def sample(logits_SV: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
@@ -68,7 +71,7 @@ class SlotGenerator:
         max_prompt_len: int,
         max_new_tokens: int,
         stop_ids,
-        sampling: Sampling = Sampling(),
+        sampling: Sampling = GREEDY,
         seed: int = 0,
         sync_every: int = 16,
         prefill_tokens: int = 65536,

@@ -174,16 +174,16 @@ def test_mismatched_shard_is_named(tmp_path):
 
 def test_concurrent_writers_share_a_store(tmp_path):
     """Two processes create/join one store at once and write interleaved keys: no clobbering."""
-    child = """
+    child = f"""
 import sys, torch
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {str(ROOT)!r})
 from data.feature_store import FeatureStore
 from tests.test_feature_store import schema, samples
 w = int(sys.argv[1])
-store = FeatureStore({dir!r}, schema(), writer=f"w{{w}}")
+store = FeatureStore({str(tmp_path)!r}, schema(), writer=f"w{{w}}")
 for i in range(w, 12, 2):
     store.put(f"k{{i:02d}}", samples([3], seed=i)[0], samples=[(i, 3)])
-""".format(root=str(ROOT), dir=str(tmp_path))
+"""
     procs = [subprocess.Popen([sys.executable, "-c", child, str(w)], stderr=subprocess.PIPE, text=True) for w in (0, 1)]
     for p in procs:
         assert p.wait() == 0, p.stderr.read()

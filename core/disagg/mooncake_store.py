@@ -46,9 +46,8 @@ class MooncakeFeatureStore:
     def __init__(self, spec: str, schema: dict | None = None, segment_bytes: int = 0):
         self.root = spec
         self.client = _client(spec.removeprefix("mooncake://"), segment_bytes)
-        if schema is not None:
-            if not self.client.is_exist(SCHEMA_KEY):
-                self.client.put(SCHEMA_KEY, json.dumps(schema, sort_keys=True).encode())
+        if schema is not None and not self.client.is_exist(SCHEMA_KEY):
+            self.client.put(SCHEMA_KEY, json.dumps(schema, sort_keys=True).encode())
         raw = self.client.get(SCHEMA_KEY)
         if not raw:
             raise StoreError(f"{spec} holds no feature store yet (no {SCHEMA_KEY})")
@@ -135,7 +134,7 @@ def start_master(root: Path):
                 break
         except OSError:
             if proc.poll() is not None:
-                raise StoreError(f"mooncake_master exited ({proc.returncode}); see {log.name}")
+                raise StoreError(f"mooncake_master exited ({proc.returncode}); see {log.name}") from None
             time.sleep(0.1)
     global _HOLDER
     _HOLDER = _client(spec.removeprefix("mooncake://"), HOLDER_BYTES)  # kept alive with the launcher
