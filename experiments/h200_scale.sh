@@ -104,10 +104,11 @@ case $PHASE in
     [[ -n ${SHIPPED:-} && -z ${RESUME:-} ]] && (timeout 200 python3 evaluate.py drafts/smollm2-135m-eagle3 --target $T \
       $EVAL --out $OUT/eval_shipped.jsonl > $OUT/eval_shipped.log 2>&1 &)
     # RUNS: name:data dir:draft vocabulary:steps[:flags,comma,separated]; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
-    # (b reached step 1,600), then a:mix_data:8192:5600 alone (the shipped draft since 2026-12-04, two calls,
-    # ~9.8 steps/s alone; two runs share the GPU at ~6 each). Next: b:mix_data:16384:5600 against it
+    # (b reached step 1,600), then a:mix_data:8192:5600 alone (two calls, ~9.8 steps/s alone; two runs share the GPU
+    # at ~6 each, three at ~3.9). 2026-12-04: the default below, warm-up 200 (the shipped draft since then,
+    # results/scale_h200/warmup200_5600). Next: its seed spread, then d:mix_data:16384:5600:--warmup,200 against it
     jobs=()
-    for v in ${RUNS:-a:mix_data:8192:5600}; do
+    for v in ${RUNS:-c:mix_data:8192:5600:--warmup,200}; do
       IFS=: read -r name dir vocab steps extra <<< "$v"; R=$W/run_$name  # extra: this run's flags, comma-separated
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
       # 2026-12-02 the mix stalled in its first evaluation (batch 8, before the first step); 2026-12-03 with the
