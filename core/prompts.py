@@ -16,6 +16,7 @@ from core.capture_io import append_rows, check_context, check_inputs, check_out,
 from core.distributed import pick_device
 from core.regenerate import (
     FINITE_OPTIONS,
+    GenerationOptions,
     check_at_least,
     check_engine,
     check_finite,
@@ -27,7 +28,7 @@ from core.regenerate import (
     write_json,
 )
 from core.runlog import git_commit, hardware, versions
-from models.target import DEFAULT_TARGET, eos_ids, fingerprint, load_tokenizer, resolve_target
+from models.target import eos_ids, fingerprint, load_tokenizer, resolve_target
 
 
 def check_prompts(cfg: "PromptsConfig"):
@@ -45,7 +46,7 @@ def check_prompts(cfg: "PromptsConfig"):
 
 # ====================================================================== prompts
 @dataclass
-class PromptsConfig:
+class PromptsConfig(GenerationOptions):
     """The target writes user prompts itself (Magpie-style self-instruct, data/selfinstruct.py):
     its chat template up to a user turn's text, sampled until the turn ends. Output: one JSON line per
     kept prompt {id, messages: [user, empty assistant]} (answer them with `capture.py regenerate
@@ -54,19 +55,14 @@ class PromptsConfig:
     so a rerun resumes after the last whole batch and writes what one uninterrupted run would. Exit 0 when
     --num-prompts are kept (or --max-batches ran), 75 when --time-limit stopped it first, 1 on an error."""
 
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
+    max_new_tokens: int = 256
+    """a prompt that has not ended its turn by then is dropped (no_end_of_turn)"""
+    temperature: float = 1.0
     out: str = "runs/prompts/selfinstruct.jsonl"
     num_prompts: int = 1000
     """stop once at least this many prompts are kept (whole batches: the last one may add more)"""
     max_batches: int = 0
     """stop after this many batches in all, earlier runs' included (0 = until --num-prompts)"""
-    max_new_tokens: int = 256
-    """a prompt that has not ended its turn by then is dropped (no_end_of_turn)"""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
     system: str | None = None
     """an explicit system turn before the user's; default: what the chat template writes without one"""
     user_prefix: tuple[str, ...] = ()
@@ -76,12 +72,6 @@ class PromptsConfig:
     min_words: int = 3
     batch_size: int = 64
     """prompts sampled together (one batch = one seed; on the slots engine, also the slots)"""
-    engine: str = "auto"
-    """slots (models/generate.py) | hf (transformers' generate) | auto: slots on a GPU where supported"""
-    dtype: str = "auto"
-    device: str = "auto"
-    time_limit: float = 0
-    """seconds; stop cleanly before a batch would pass it (0 = none); exit 75 when it stops so"""
 
 
 MAX_PROMPT_BATCH = 1 << 16
@@ -91,8 +81,6 @@ ALL_DROPPED_STOP = 512  # prompts: this many sampled in a row, none kept, stops 
 
 
 _PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-
-
 _PROMPTS_SAME_ON_RESUME += ("system", "user_prefix", "min_words", "batch_size", "engine", "dtype")
 
 

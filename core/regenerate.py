@@ -23,15 +23,40 @@ from data.datasets import SHAREGPT, load_records
 from models.target import DEFAULT_TARGET, eos_ids, fingerprint, load_tokenizer, resolve_target, target_context
 
 
+# ====================================================================== the options both commands share
+@dataclass
+class GenerationOptions:
+    """What the target generates with and where: capture.py regenerate (RegenConfig) and prompts
+    (core/prompts.PromptsConfig) take these flags alike."""
+
+    target: str = DEFAULT_TARGET
+    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    """0 = greedy"""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off"""
+    seed: int = 0
+    engine: str = "auto"
+    """slots: continuous batching on the compiled target's layers (models/generate.py; Llama / Qwen
+    families) | hf: transformers' generate over batches | auto: slots on a GPU when the architecture is
+    supported, else hf"""
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
+    device: str = "auto"
+    time_limit: float = 0
+    """seconds since start; stop cleanly before a batch would pass it (an unfinished batch is discarded; rerun to
+    resume); exit 75 when it stops so (0 = none)"""
+
+
 # ====================================================================== regenerate
 @dataclass
-class RegenConfig:
+class RegenConfig(GenerationOptions):
     """The target writes new assistant turns for --data's conversations. Exit 0 when every conversation is done
     (or --max-output-mb stopped it, as asked), 75 when --time-limit stopped it first (rerun to resume), 1 on an
     error."""
 
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
     data: str = SHAREGPT
     """'sharegpt', a .json/.jsonl(.gz)/.parquet file or directory (ShareGPT or messages style)"""
     out: str = "runs/regen/sharegpt.jsonl"
@@ -40,32 +65,15 @@ class RegenConfig:
     """records read from the data (0 = all)"""
     max_turns: int = 0
     """assistant turns regenerated per conversation; later turns are dropped (0 = all)"""
-    max_new_tokens: int = 512
     max_prompt_len: int = 2048
     """a turn whose prompt is longer ends the conversation there (counted)"""
-    temperature: float = 0.0
-    """0 = greedy"""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 = off"""
-    seed: int = 0
     batch_size: int = 64
     """--engine hf: conversations generated together (left-padded)"""
-    engine: str = "auto"
-    """slots: continuous batching on the compiled target's layers (models/generate.py; Llama / Qwen
-    families) | hf: transformers' generate over batches of conversations | auto: slots on a GPU
-    when the architecture is supported, else hf"""
     slots: int = 512
     """--engine slots: requests decoded together (each holds a KV cache of max_prompt_len +
     max_new_tokens positions)"""
-    dtype: str = "auto"
-    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
-    time_limit: float = 0
-    """seconds since start; stop cleanly before exceeding it (an unfinished batch is discarded; rerun to resume);
-    exit 75 when it stops so"""
     max_output_mb: float = 0
     """stop cleanly once the output JSONL is larger (0 = no limit)"""
-    device: str = "auto"
 
 
 # settings that change what is generated: a resumed run must use the same ones
