@@ -80,8 +80,20 @@ MAX_PROMPT_BATCH = 1 << 16
 ALL_DROPPED_STOP = 512  # prompts: this many sampled in a row, none kept, stops the run (an error, not a hang)
 
 
-_PROMPTS_SAME_ON_RESUME = ("target_fingerprint", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
-_PROMPTS_SAME_ON_RESUME += ("system", "user_prefix", "min_words", "batch_size", "engine", "dtype")
+_PROMPTS_SAME_ON_RESUME = (
+    "target_fingerprint",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "system",
+    "user_prefix",
+    "min_words",
+    "batch_size",
+    "engine",
+    "dtype",
+)
 
 
 def _whole_batches(kept: list[dict], dropped: list[dict]) -> tuple[list[dict], list[dict], bool]:

@@ -46,8 +46,8 @@ class GenerationOptions:
     """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
     device: str = "auto"
     time_limit: float = 0
-    """seconds since start; stop cleanly before a batch would pass it (an unfinished batch is discarded; rerun to
-    resume); exit 75 when it stops so (0 = none)"""
+    """seconds since start; stop cleanly there (prompts: before a batch that would pass it; regenerate: the
+    unfinished batch is discarded); rerun to resume; exit 75 when it stops so (0 = none)"""
 
 
 # ====================================================================== regenerate
