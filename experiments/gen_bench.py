@@ -1,13 +1,15 @@
-"""Generation speed of the slot engine (models/generate.py) with eager decode steps and with CUDA
-graphs, back to back on one machine: the same first user turns of the packaged ShareGPT chats,
-greedy, through SlotGenerator directly (what `capture.py regenerate --engine slots` runs).
+"""Generation speed of the slot engine (models/generate.py), back to back on one machine: eager
+decode steps (plain attention), CUDA graphs (plain attention, one graph per cache bucket) and CUDA
+graphs with flex attention (each slot reads its own length; the default on CUDA): the same first
+user turns of the packaged ShareGPT chats, greedy, through SlotGenerator directly (what
+`capture.py regenerate --engine slots` runs).
 
     python3 experiments/gen_bench.py --target /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf --out rows.jsonl
 
 Each row: new tokens/s, decode steps/s, the bytes one decode step reads (every weight once, plus
-the K and V cache prefix in use for every slot) and the share of the GPU's memory bandwidth that
-reaches; the graphs row also says how many of its replies equal the eager row's (bf16: a near-tie
-can round differently between two runs of different kernels, so not all need to).
+the K and V cache blocks each slot's attention reads) and the share of the GPU's memory bandwidth
+that reaches; the later rows also say how many of their replies equal the eager row's (bf16: a
+near-tie can round differently between two runs of different kernels, so not all need to).
 """
 
 import json
@@ -42,7 +44,9 @@ class Args:
     slots: int = 512
     max_new_tokens: int = 512
     max_prompt_len: int = 512
-    modes: tuple[str, ...] = ("eager", "graphs")
+    modes: tuple[str, ...] = ("eager", "graphs", "flex")
+    """eager (plain attention, no graphs) | graphs (plain attention, CUDA graphs) | flex (flex attention,
+    CUDA graphs)"""
     time_limit: float = 120
     """seconds per mode: stop taking finished requests after this (the rate counts what finished)"""
     device: str = "cuda"
@@ -76,7 +80,7 @@ def sync(model):
         torch.cuda.synchronize()
 
 
-def profile_steps(gen: SlotGenerator, n: int, graphs: bool):
+def profile_steps(gen: SlotGenerator, n: int, mode: str):
     """n more decode steps under torch.profiler: the ops and kernels that take the time, host and device."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,12 +91,15 @@ def profile_steps(gen: SlotGenerator, n: int, graphs: bool):
             gen.step()
             done += 1  # a step() call decodes until a request finishes: sync_every decode steps or more
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    print(f"[profile] {'graphs' if graphs else 'eager'}: {done} step() calls", flush=True)
+    print(f"[profile] {mode}: {done} step() calls", flush=True)
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
 
 
-def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
-    gen = SlotGenerator(model, a.slots, a.max_prompt_len, a.max_new_tokens, eos, cuda_graphs=graphs)
+def run(model, prompts, eos, a: Args, mode: str) -> tuple[dict, dict]:
+    graphs = mode != "eager" and model.lm_head.weight.is_cuda
+    gen = SlotGenerator(
+        model, a.slots, a.max_prompt_len, a.max_new_tokens, eos, cuda_graphs=graphs, flex=mode == "flex"
+    )
     for i, p in enumerate(prompts):
         gen.add(i, p)
     # warm-up: the first buckets' graph captures (and cuBLAS set-up) happen here, not in the timing
@@ -108,7 +115,7 @@ def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
     sec = time.time() - t0
     new = sum(map(len, got.values())) - n0
     if a.profile and gen.busy():
-        profile_steps(gen, a.profile, graphs)
+        profile_steps(gen, a.profile, mode)
     c = model.config
     w_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = (gen.kv_positions_read - kv0) * len(model.model.layers) * 2 * c.num_key_value_heads * c.head_dim * 2
@@ -118,7 +125,8 @@ def run(model, prompts, eos, a: Args, graphs: bool) -> tuple[dict, dict]:
     peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
     row = {
         "what": "gen_bench",
-        "mode": "graphs" if graphs else "eager",
+        "mode": mode,
+        "flex": gen.flex,  # False if the flex compile failed and the run fell back to plain attention
         "slots": a.slots,
         "requests_done": len(got),
         "new_tokens": new,
@@ -142,20 +150,20 @@ def main(a: Args):
         target_dir, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev
     )
     prompts = first_turns(tok, a.data, a.requests, a.max_prompt_len)
-    rows, outs = [], {}
+    rows, outs = {}, {}
     meta = {"hardware": hardware(dev), "versions": versions(), "git_commit": git_commit()}
     for mode in a.modes:
-        row, outs[mode] = run(model, prompts, eos, a, mode == "graphs" and dev.type == "cuda")
-        if "eager" in outs and mode == "graphs":
-            common = outs["eager"].keys() & outs["graphs"].keys()
+        row, outs[mode] = run(model, prompts, eos, a, mode)
+        if "eager" in outs and mode != "eager":
+            common = outs["eager"].keys() & outs[mode].keys()
             row["same_reply_as_eager"] = round(
-                sum(outs["eager"][k] == outs["graphs"][k] for k in common) / max(len(common), 1), 3
+                sum(outs["eager"][k] == outs[mode][k] for k in common) / max(len(common), 1), 3
             )
-            row["speedup_vs_eager"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+            row["speedup_vs_eager"] = round(row["tokens_per_s"] / rows["eager"]["tokens_per_s"], 2)
         row.update(
             meta, date=time.strftime("%Y-%m-%d"), command="python3 experiments/gen_bench.py " + " ".join(sys.argv[1:])
         )
-        rows.append(row)
+        rows[mode] = row
         with open(a.out, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("hardware", "versions")}), flush=True)

@@ -54,18 +54,19 @@ case $PHASE in
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
     [[ -n ${SKIP_BENCH:-} ]] || { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
     tail -2 $OUT/cuda_tests_generate.txt
-    timeout 150 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
-      --time-limit ${BENCH_S:-30} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
-    tail -2 $OUT/gen_bench.log | cut -c1-400; }
+    timeout 200 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
+      --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
+    grep '^{' $OUT/gen_bench.log | cut -c1-330; }
     jobs=()
-    for d in code math chat; do  # prompts: a quarter of what is left (or the committed ones), answers the rest
-      declare -n P=${d^^}
-      C=data/smollm2_domains/prompts_$d.jsonl.gz  # the committed prompts: answering them rebuilds the mix
-      (if [[ -f $C && -z ${NEW_PROMPTS:-} ]]; then zcat $C > $W/p_$d.jsonl; else
-         timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T --out $W/p_$d.jsonl --engine slots \
-         --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 --seed ${SEED:-7} \
-         --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1; fi
-       [[ -s $W/p_$d.jsonl ]] && timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
+    for d in code math chat; do  # the committed prompts (answering them rebuilds the mix); NEW_PROMPTS=1: then
+      declare -n P=${d^^}          # new ones (--seed SEED, not the committed 7) in a quarter of what is left
+      C=data/smollm2_domains/prompts_$d.jsonl.gz
+      (zcat $C > $W/p_$d.jsonl
+       [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T \
+         --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
+         --seed ${SEED:-11} --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1 &&
+         cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
+       timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
          --data $W/p_$d.jsonl --out $W/mix/a_$d.jsonl --engine slots --slots 1024 --max-new-tokens 512 \
          --max-prompt-len 512 --time-limit $(($(left) - 60)) > $OUT/answers_$d.log 2>&1) &
       jobs+=($!)
@@ -74,8 +75,8 @@ case $PHASE in
     for d in code math chat; do
       cp $W/mix/a_$d.provenance.json $OUT/answers_$d.provenance.json
       if [[ -n ${NEW_PROMPTS:-} ]]; then  # new prompts come back; committed ones are in the repo
-        cp $W/p_$d.provenance.json $OUT/prompts_$d.provenance.json
-        gzip -9c $W/p_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
+        cp $W/pn_$d.provenance.json $OUT/prompts_$d.provenance.json
+        gzip -9c $W/pn_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
         tail -n 1 $OUT/prompts_$d.log | cut -c1-300
       fi
       tail -n 1 $OUT/answers_$d.log | cut -c1-300

@@ -16,10 +16,19 @@ token when it is read back. Under greedy decoding the output equals the target's
 decoding (tests/test_generate.py against HF `generate`).
 
 On CUDA the decode step's device work (30 layers of SmolLM2 are ~1,350 small kernels, which
-eager Python launches slower than the GPU runs them) is replayed from a CUDA graph, one per
-cache-length bucket of 128 (`cuda_graphs`). Everything the graph reads lives in buffers that are
-only ever written in place (tok, pos, the caches), so a replay sees the current state; sampling
-and the per-slot bookkeeping stay eager (a few kernels) so that any sampler works unchanged.
+eager Python launches slower than the GPU runs them) is replayed from a CUDA graph (`cuda_graphs`).
+Everything the graph reads lives in buffers that are only ever written in place (tok, pos, the
+caches), so a replay sees the current state; sampling and the per-slot bookkeeping stay eager (a
+few kernels) so that any sampler works unchanged.
+
+Decode attention reads the KV cache, most of a step's bytes. Two ways (`flex`):
+  * flex (default on CUDA): compiled FlexAttention with a block mask of each slot's own length:
+    slot s reads only its first pos[s] // 128 + 1 blocks of 128 positions, whatever the other
+    slots' lengths, and no score tensor is materialised (the flash-decoding kernel). One graph
+    covers every length.
+  * plain: matmul, masked softmax, matmul over the prefix L every slot shares (the longest slot's
+    length, rounded up to a bucket of 128; one graph per bucket): the reference, and the CPU path
+    (no compile needed).
 """
 
 from collections import deque
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models.fast_target import FastTarget
 from models.layers import merge_heads
@@ -40,6 +50,27 @@ class Sampling:
 
 
 GREEDY = Sampling()
+BLOCK = 128  # cache positions per block: the plain path's length bucket, the flex path's mask block
+_compiled_flex = None  # torch.compile(flex_attention), made on first use (compiling is lazy anyway)
+
+
+def length_block_mask(pos_S: torch.Tensor, L: int) -> BlockMask:
+    """Slot s (one query) sees cache positions 0..pos[s]: blocks past pos[s] // BLOCK are never read,
+    the last one is masked per position. L: the cache length, a multiple of BLOCK."""
+    S, n = pos_S.shape[0], L // BLOCK
+    blocks = (pos_S // BLOCK + 1).to(torch.int32).view(S, 1, 1)  # [S, H=1, Q blocks=1]
+    order = torch.arange(n, dtype=torch.int32, device=pos_S.device).expand(S, 1, 1, n)
+    return BlockMask.from_kv_blocks(
+        blocks, order.contiguous(), BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, q, kv: kv <= pos_S[b], seq_lengths=(1, L)
+    )
+
+
+def flex_decode(q_SHqD, k_SHkvLD, v_SHkvLD, block_mask: BlockMask):
+    """One query per slot [S, Hq, 1, D] against its cache [S, Hkv, L, D] -> [S, Hq, 1, D]."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q_SHqD, k_SHkvLD, v_SHkvLD, block_mask=block_mask, enable_gqa=True)
 
 
 def sample(logits_SV: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
@@ -76,14 +107,18 @@ class SlotGenerator:
         sync_every: int = 16,
         prefill_tokens: int = 65536,
         cuda_graphs: bool | None = None,
+        flex: bool | None = None,
     ):
-        """cuda_graphs: replay each decode step from a CUDA graph (None = on CUDA devices)."""
+        """cuda_graphs: replay each decode step from a CUDA graph; flex: decode attention through
+        compiled FlexAttention over each slot's own length (both None = on CUDA devices)."""
         c = target.config
         self.t, self.S, self.max_new, self.sync_every = target, slots, max_new_tokens, sync_every
         self.max_prompt, self.prefill_tokens, self.sampling = max_prompt_len, prefill_tokens, sampling
         dev, dt = target.lm_head.weight.device, target.lm_head.weight.dtype
         self.dev = dev
-        self.L = max_prompt_len + max_new_tokens + sync_every  # a slot may run sync_every - 1 steps past its end
+        self.flex = flex if flex is not None else dev.type == "cuda"
+        # a slot may run sync_every - 1 steps past its end; whole blocks for the flex mask
+        self.L = -(-(max_prompt_len + max_new_tokens + sync_every) // BLOCK) * BLOCK
         shape = (slots, c.num_key_value_heads, self.L, c.head_dim)
         n_layers = len(target.model.layers)
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in range(n_layers)]
@@ -96,14 +131,18 @@ class SlotGenerator:
         self.stopped = torch.ones(slots, dtype=torch.bool, device=dev)
         self.active = torch.zeros(slots, dtype=torch.long, device=dev)  # 1 = holds a request
         self.n_dev = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens in self.out[s]
-        # host mirrors: no device read needed to know lengths
+        # host mirrors: no device read needed to know lengths. A request prefilled at decode step
+        # `born` holds 1 + (steps - born) tokens in self.out and sits at position plen + steps - born.
         self.key: list = [None] * slots
-        self.n_out = [0] * slots  # tokens in self.out[s]
-        self.host_pos = [0] * slots
+        self.born = [0] * slots
+        self.plen = [0] * slots
         self.waiting: deque = deque()
         self.steps = 0
-        self.kv_positions_read = 0  # sum over decode steps of S * L: cache traffic (experiments/gen_bench.py)
-        # cache length bucket -> (graph, its logits output [S, V]); None = eager decode steps
+        # cache positions read, summed over decode steps (experiments/gen_bench.py): S * L per plain
+        # step; on the flex path each slot's whole blocks, counted on the device (no sync per step)
+        self._kv_read = 0
+        self._kv_read_dev = torch.zeros((), dtype=torch.long, device=dev)
+        # cache length -> (graph, its logits output [S, V]); None = eager decode steps
         self.graphs = {} if (cuda_graphs if cuda_graphs is not None else dev.type == "cuda") else None
         self._pool = None  # one memory pool for all graphs (they never run at the same time)
 
@@ -112,6 +151,16 @@ class SlotGenerator:
         if not 0 < len(prompt_ids) <= self.max_prompt:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens (1..{self.max_prompt} allowed)")
         (self.waiting.appendleft if front else self.waiting.append)((key, list(prompt_ids)))
+
+    def n_out(self, s: int) -> int:
+        return 1 + self.steps - self.born[s]
+
+    def host_pos(self, s: int) -> int:
+        return self.plen[s] + self.steps - self.born[s]
+
+    @property
+    def kv_positions_read(self) -> int:
+        return self._kv_read + int(self._kv_read_dev)
 
     def busy(self) -> bool:
         return bool(self.waiting) or any(k is not None for k in self.key)
@@ -144,7 +193,7 @@ class SlotGenerator:
         self.stopped[sl] = torch.isin(tok, self.stop)
         self.active[sl], self.n_dev[sl] = 1, 1
         for s, p in zip(slots, prompts):
-            self.n_out[s], self.host_pos[s] = 1, len(p)
+            self.born[s], self.plen[s] = self.steps, len(p)
 
     def _step_logits(self, L: int) -> torch.Tensor:
         """The device work of one decode step over the first L cache positions: every slot's token
@@ -155,17 +204,23 @@ class SlotGenerator:
         h = self.t.model.embed_tokens(self.tok[:, None])  # [S, 1, H]
         cos, sin = self.t.rope(self.pos[:, None], h.dtype)
         rows = torch.arange(S, device=self.dev)
-        visible = torch.arange(L, device=self.dev)[None] <= self.pos[:, None]  # [S, L]
+        if self.flex:
+            mask = length_block_mask(self.pos, L)
+        else:
+            visible = torch.arange(L, device=self.dev)[None] <= self.pos[:, None]  # [S, L]
         for i, layer in enumerate(self.t.model.layers):
             a = layer.self_attn
             q, k, v = a.project(layer.input_layernorm(h), cos, sin)  # q [S, Hq, 1, D]; k, v [S, Hkv, 1, D]
             self.k[i][rows, :, self.pos], self.v[i][rows, :, self.pos] = k[:, :, 0], v[:, :, 0]
-            K, V = self.k[i][:, :, :L], self.v[i][:, :, :L]  # [S, Hkv, L, D]
-            Hkv, D = K.shape[1], K.shape[3]
-            qg = q.view(S, Hkv, -1, D)  # [S, Hkv, G, D]: query heads grouped by their KV head
-            att = (qg @ K.transpose(-1, -2)).float() * D**-0.5  # [S, Hkv, G, L]
-            att = att.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
-            o = (att.to(V.dtype) @ V).reshape(S, 1, -1)  # heads in q's order: kv head major
+            if self.flex:
+                o = merge_heads(flex_decode(q, self.k[i], self.v[i], mask))  # [S, 1, Hq * D]
+            else:
+                K, V = self.k[i][:, :, :L], self.v[i][:, :, :L]  # [S, Hkv, L, D]
+                Hkv, D = K.shape[1], K.shape[3]
+                qg = q.view(S, Hkv, -1, D)  # [S, Hkv, G, D]: query heads grouped by their KV head
+                att = (qg @ K.transpose(-1, -2)).float() * D**-0.5  # [S, Hkv, G, L]
+                att = att.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+                o = (att.to(V.dtype) @ V).reshape(S, 1, -1)  # heads in q's order: kv head major
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self._logits(h[:, 0])
@@ -200,9 +255,22 @@ class SlotGenerator:
     @torch.no_grad()
     def _decode(self):
         """One token for every slot (idle ones too: their results are never read)."""
-        L = min(self.L, (max(self.host_pos) // 128 + 1) * 128)  # cache prefix in use (host-known)
-        logits = self._step_logits(L) if self.graphs is None else self._graph_logits(L)
-        self.kv_positions_read += self.S * L
+        if self.flex:  # one length: the mask limits each slot to its own blocks
+            L = self.L
+            self._kv_read_dev += ((self.pos // BLOCK + 1) * BLOCK).sum()
+        else:  # the prefix every slot shares (host-known: no device read)
+            top = max((self.host_pos(s) for s in range(self.S) if self.key[s] is not None), default=0)
+            L = min(self.L, (top // BLOCK + 1) * BLOCK)
+            self._kv_read += self.S * L
+        try:
+            logits = self._step_logits(L) if self.graphs is None else self._graph_logits(L)
+        except Exception as e:  # a FlexAttention compile this machine cannot do: plain attention
+            if not self.flex or self.steps > 0:
+                raise
+            print(f"[generate] flex decode attention failed ({type(e).__name__}: {e}); plain attention", flush=True)
+            self.flex, self.graphs = False, None if self.graphs is None else {}
+            self._kv_read_dev.zero_()
+            return self._decode()
         tok = sample(logits, self.sampling, self.gen)
         self.tok.copy_(tok)  # in place: a graph reads this buffer
         rows = torch.arange(self.S, device=self.dev)
@@ -210,10 +278,7 @@ class SlotGenerator:
         self.stopped |= torch.isin(tok, self.stop)
         self.pos += self.active  # idle slots stay at 0 (their cache row is never read)
         self.n_dev += self.active
-        for s in range(self.S):
-            if self.key[s] is not None:
-                self.n_out[s] += 1
-                self.host_pos[s] += 1
+        self.steps += 1
 
     # ---- scheduling -----------------------------------------------------------------------------
     def _fill(self):
@@ -233,16 +298,16 @@ class SlotGenerator:
 
     def _harvest(self) -> list:
         stopped = self.stopped.tolist()  # the one device read per sync_every steps
-        done = [s for s in range(self.S) if self.key[s] is not None and (stopped[s] or self.n_out[s] >= self.max_new)]
+        done = [s for s in range(self.S) if self.key[s] is not None and (stopped[s] or self.n_out(s) >= self.max_new)]
         if not done:
             return []
         rows = self.out[torch.tensor(done, device=self.dev)].tolist()
         stop, res = set(self.stop.tolist()), []
         for s, row in zip(done, rows):
-            row = row[: min(self.n_out[s], self.max_new)]
+            row = row[: min(self.n_out(s), self.max_new)]
             cut = next((j for j, t in enumerate(row) if t in stop), None)
             res.append((self.key[s], row[:cut] if cut is not None else row, cut is None))
-            self.key[s], self.n_out[s], self.host_pos[s] = None, 0, 0
+            self.key[s] = None
         d = torch.tensor(done, device=self.dev)
         self.stopped[d], self.active[d], self.pos[d], self.n_dev[d] = True, 0, 0, 0
         return res
@@ -253,7 +318,6 @@ class SlotGenerator:
             self._fill()
             for _ in range(self.sync_every):
                 self._decode()
-                self.steps += 1
             res = self._harvest()
             if res:
                 return res

@@ -50,6 +50,23 @@ def test_greedy_equals_hf_generate(kind, slots, sync):
     assert run_all(gen, prompts) == want
 
 
+@pytest.mark.parametrize("kind,slots,sync", [("llama", 3, 4), ("qwen3", 5, 2)])
+def test_flex_decode_equals_hf_generate(kind, slots, sync):
+    """The flex path (compiled FlexAttention, each slot masked to its own length, one cache length
+    for all) gives HF's greedy tokens too; prompts long enough that slots sit in different blocks."""
+    hf = hf_model(kind, seed=4)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in (130, 5, 250, 1, 127, 40)]
+    want = {i: hf_greedy(hf, p, 12, [-1]) for i, p in enumerate(prompts)}
+    gen = SlotGenerator(
+        FastTarget.from_hf_model(hf), slots=slots, max_prompt_len=250, max_new_tokens=12, stop_ids=[-1],
+        sync_every=sync, flex=True,
+    )  # fmt: skip
+    assert gen.flex and gen.L % 128 == 0
+    assert run_all(gen, prompts) == want
+    assert gen.kv_positions_read > 0
+
+
 def test_sampling_filters():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
     g = torch.Generator().manual_seed(0)
@@ -76,17 +93,19 @@ def test_prompt_limits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kind,sampling", [("llama", Sampling()), ("qwen3", Sampling(temperature=0.8, top_p=0.9))])
 def test_cuda_graph_steps_equal_eager(kind, sampling):
-    """The decode step replayed from CUDA graphs (one per cache bucket; lengths cross a bucket here)
-    gives the eager step's tokens exactly, greedy and sampled (same generator seed), in fp32."""
+    """The decode step replayed from CUDA graphs (plain attention: one per cache bucket, lengths
+    cross a bucket here; flex attention: one graph) gives the eager plain step's tokens exactly,
+    greedy and sampled (same generator seed), in fp32."""
     hf = hf_model(kind, seed=3).cuda()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, hf.config.vocab_size, (n,), generator=g).tolist() for n in (5, 120, 1, 64, 9, 200, 3)]
     got = []
-    for graphs in (False, True):
+    for graphs, flex in ((False, False), (True, False), (True, True)):
         gen = SlotGenerator(
             FastTarget.from_hf_model(hf), slots=4, max_prompt_len=200, max_new_tokens=60, stop_ids=[7],
-            sampling=sampling, seed=5, sync_every=4, cuda_graphs=graphs,
+            sampling=sampling, seed=5, sync_every=4, cuda_graphs=graphs, flex=flex,
         )  # fmt: skip
         got.append(run_all(gen, prompts))
-        assert (gen.graphs is not None) == graphs and (not graphs or len(gen.graphs) >= 2)
-    assert got[0] == got[1]
+        assert (gen.graphs is not None) == graphs
+        assert not graphs or (len(gen.graphs) == 1 if flex else len(gen.graphs) >= 2)
+    assert got[0] == got[1] == got[2]
