@@ -8,7 +8,7 @@ user turns of the packaged ShareGPT chats, greedy, through SlotGenerator directl
 
 Each row: new tokens/s, decode steps/s, the bytes one decode step reads (every weight once, plus
 the K and V cache blocks each slot's attention reads) and the share of the GPU's memory bandwidth
-that reaches; the later rows also say how many of their replies equal the eager row's (bf16: a
+that reaches; the later rows also say how many of their replies equal the first mode's (bf16: a
 near-tie can round differently between two runs of different kernels, so not all need to).
 """
 
@@ -154,12 +154,13 @@ def main(a: Args):
     meta = {"hardware": hardware(dev), "versions": versions(), "git_commit": git_commit()}
     for mode in a.modes:
         row, outs[mode] = run(model, prompts, eos, a, mode)
-        if "eager" in outs and mode != "eager":
-            common = outs["eager"].keys() & outs[mode].keys()
-            row["same_reply_as_eager"] = round(
-                sum(outs["eager"][k] == outs[mode][k] for k in common) / max(len(common), 1), 3
+        ref = a.modes[0]  # the later modes against the first
+        if mode != ref:
+            common = outs[ref].keys() & outs[mode].keys()
+            row[f"same_reply_as_{ref}"] = round(
+                sum(outs[ref][k] == outs[mode][k] for k in common) / max(len(common), 1), 3
             )
-            row["speedup_vs_eager"] = round(row["tokens_per_s"] / rows["eager"]["tokens_per_s"], 2)
+            row[f"speedup_vs_{ref}"] = round(row["tokens_per_s"] / rows[ref]["tokens_per_s"], 2)
         row.update(
             meta, date=time.strftime("%Y-%m-%d"), command="python3 experiments/gen_bench.py " + " ".join(sys.argv[1:])
         )

@@ -22,10 +22,12 @@ caches), so a replay sees the current state; sampling and the per-slot bookkeepi
 few kernels) so that any sampler works unchanged.
 
 Decode attention reads the KV cache, most of a step's bytes. Two ways (`flex`):
-  * flex (default on CUDA): compiled FlexAttention with a block mask of each slot's own length:
-    slot s reads only its first pos[s] // 128 + 1 blocks of 128 positions, whatever the other
-    slots' lengths, and no score tensor is materialised (the flash-decoding kernel). One graph
-    covers every length.
+  * flex (default on CUDA): the whole step compiled, attention through FlexAttention with a block
+    mask of each slot's own length: slot s reads only its first pos[s] // 128 + 1 blocks of 128
+    positions, whatever the other slots' lengths, and no score tensor is materialised. The G query
+    heads that share a KV head are passed as G queries of that head (not enable_gqa), so that
+    inductor picks its decoding kernel (one block reads a KV head once for all G queries; with
+    enable_gqa it needs G a power of two, and SmolLM2 has G = 3). One graph covers every length.
   * plain: matmul, masked softmax, matmul over the prefix L every slot shares (the longest slot's
     length, rounded up to a bucket of 128; one graph per bucket): the reference, and the CPU path
     (no compile needed).
@@ -54,23 +56,30 @@ BLOCK = 128  # cache positions per block: the plain path's length bucket, the fl
 _compiled_flex = None  # torch.compile(flex_attention), made on first use (compiling is lazy anyway)
 
 
-def length_block_mask(pos_S: torch.Tensor, L: int) -> BlockMask:
-    """Slot s (one query) sees cache positions 0..pos[s]: blocks past pos[s] // BLOCK are never read,
+def length_block_mask(pos_S: torch.Tensor, G: int, L: int) -> BlockMask:
+    """Slot s's G queries see cache positions 0..pos[s]: blocks past pos[s] // BLOCK are never read,
     the last one is masked per position. L: the cache length, a multiple of BLOCK."""
     S, n = pos_S.shape[0], L // BLOCK
     blocks = (pos_S // BLOCK + 1).to(torch.int32).view(S, 1, 1)  # [S, H=1, Q blocks=1]
     order = torch.arange(n, dtype=torch.int32, device=pos_S.device).expand(S, 1, 1, n)
     return BlockMask.from_kv_blocks(
-        blocks, order.contiguous(), BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, q, kv: kv <= pos_S[b], seq_lengths=(1, L)
+        blocks, order.contiguous(), BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, q, kv: kv <= pos_S[b], seq_lengths=(G, L)
     )
 
 
 def flex_decode(q_SHqD, k_SHkvLD, v_SHkvLD, block_mask: BlockMask):
-    """One query per slot [S, Hq, 1, D] against its cache [S, Hkv, L, D] -> [S, Hq, 1, D]."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q_SHqD, k_SHkvLD, v_SHkvLD, block_mask=block_mask, enable_gqa=True)
+    """One query per slot and head [S, Hq, 1, D] against its cache [S, Hkv, L, D] -> [S, Hq, 1, D]
+    (query head h reads KV head h // G, as enable_gqa would)."""
+    S, Hkv, _, D = k_SHkvLD.shape
+    qg = q_SHqD.reshape(S, Hkv, -1, D)  # [S, Hkv, G, D]: G queries per KV head
+    if torch.compiler.is_compiling():  # inside the compiled step
+        o = flex_attention(qg, k_SHkvLD, v_SHkvLD, block_mask=block_mask)
+    else:
+        global _compiled_flex
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        o = _compiled_flex(qg, k_SHkvLD, v_SHkvLD, block_mask=block_mask)
+    return o.reshape(q_SHqD.shape)
 
 
 def sample(logits_SV: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
@@ -117,6 +126,9 @@ class SlotGenerator:
         dev, dt = target.lm_head.weight.device, target.lm_head.weight.dtype
         self.dev = dev
         self.flex = flex if flex is not None else dev.type == "cuda"
+        # the flex path compiles the whole step (one length: one compile); inductor fuses the norms,
+        # rope and residual adds that eager runs as ~100 small kernels per layer
+        self._step = torch.compile(self._step_logits, dynamic=False) if self.flex else self._step_logits
         # a slot may run sync_every - 1 steps past its end; whole blocks for the flex mask
         self.L = -(-(max_prompt_len + max_new_tokens + sync_every) // BLOCK) * BLOCK
         shape = (slots, c.num_key_value_heads, self.L, c.head_dim)
@@ -205,7 +217,8 @@ class SlotGenerator:
         cos, sin = self.t.rope(self.pos[:, None], h.dtype)
         rows = torch.arange(S, device=self.dev)
         if self.flex:
-            mask = length_block_mask(self.pos, L)
+            c = self.t.config
+            mask = length_block_mask(self.pos, c.num_attention_heads // c.num_key_value_heads, L)
         else:
             visible = torch.arange(L, device=self.dev)[None] <= self.pos[:, None]  # [S, L]
         for i, layer in enumerate(self.t.model.layers):
@@ -233,7 +246,7 @@ class SlotGenerator:
             except RuntimeError as e:  # a driver or kernel that cannot be captured: eager from here on
                 print(f"[generate] CUDA graph capture failed ({e}); decoding eagerly", flush=True)
                 self.graphs = None
-                return self._step_logits(L)
+                return self._step(L)
         g, out = self.graphs[L]
         g.replay()
         return out  # valid until the next replay (graphs share one pool)
@@ -243,13 +256,13 @@ class SlotGenerator:
         side = torch.cuda.Stream(self.dev)
         side.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(side):
-            self._step_logits(L)  # warm-up: writes the same cache entries the replay will
+            self._step(L)  # warm-up (and the compile): writes the same cache entries the replay will
         torch.cuda.current_stream(self.dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            out = self._step_logits(L)
+            out = self._step(L)
         return g, out
 
     @torch.no_grad()
@@ -263,12 +276,12 @@ class SlotGenerator:
             L = min(self.L, (top // BLOCK + 1) * BLOCK)
             self._kv_read += self.S * L
         try:
-            logits = self._step_logits(L) if self.graphs is None else self._graph_logits(L)
-        except Exception as e:  # a FlexAttention compile this machine cannot do: plain attention
+            logits = self._step(L) if self.graphs is None else self._graph_logits(L)
+        except Exception as e:  # a compile this machine cannot do: plain attention, eager step
             if not self.flex or self.steps > 0:
                 raise
             print(f"[generate] flex decode attention failed ({type(e).__name__}: {e}); plain attention", flush=True)
-            self.flex, self.graphs = False, None if self.graphs is None else {}
+            self.flex, self._step, self.graphs = False, self._step_logits, None if self.graphs is None else {}
             self._kv_read_dev.zero_()
             return self._decode()
         tok = sample(logits, self.sampling, self.gen)
