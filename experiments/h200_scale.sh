@@ -54,17 +54,16 @@ case $PHASE in
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
     [[ -n ${SKIP_BENCH:-} ]] || { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
     tail -2 $OUT/cuda_tests_generate.txt
-    timeout 200 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 3072 \
+    timeout 200 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 8192 \
       --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
     grep '^{' $OUT/gen_bench.log | cut -c1-330; }
     jobs=()
-    for d in code math chat; do  # the committed prompts (answering them rebuilds the mix); NEW_PROMPTS=1: then
-      declare -n P=${d^^}          # new ones (--seed SEED, not the committed 7) in a quarter of what is left
-      C=data/smollm2_domains/prompts_$d.jsonl.gz
-      (zcat $C > $W/p_$d.jsonl
+    for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
+      declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) in a quarter of what is left
+      (zcat data/smollm2_domains/prompts_$d.jsonl.gz data/smollm2_domains/prompts_${d}_seed*.jsonl.gz > $W/p_$d.jsonl
        [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T \
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
-         --seed ${SEED:-11} --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1 &&
+         --seed ${SEED:-13} --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1 &&
          cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
        timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
          --data $W/p_$d.jsonl --out $W/mix/a_$d.jsonl --engine slots --slots 1024 --max-new-tokens 512 \
