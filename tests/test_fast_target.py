@@ -16,6 +16,7 @@ from data.packing import pack
 from models.fast_target import PRESETS, FastTarget, TargetConfig
 from models.layers import rope_inv_freq
 from models.target import Target
+from tests.tiny import LLAMA3_SHORT_ROPE, TINY_TARGET_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest value (hidden states reach ~15)
@@ -24,29 +25,9 @@ TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest va
 def hf_model(kind: str, seed=0):
     import transformers as tf
 
-    common = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    if kind == "llama":  # llama3 scaling with a short original context, so all three bands are hit
-        cfg = tf.LlamaConfig(
-            **common,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        )
+    common = dict(TINY_TARGET_SHAPE, num_hidden_layers=6, tie_word_embeddings=False)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, rope_parameters=dict(LLAMA3_SHORT_ROPE, rope_theta=10000.0))
     elif kind == "llama_tied":
         cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True, "num_key_value_heads": 4})
     elif kind == "qwen2":

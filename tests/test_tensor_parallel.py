@@ -17,33 +17,13 @@ import torch.multiprocessing as mp
 from data.chat import Example
 from data.packing import pack
 from models.fast_target import FastTarget, TargetConfig
+from tests.tiny import LLAMA3_SHORT_ROPE, TINY_TARGET_SHAPE
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol scaled by the reference's largest value, as in test_fast_target
 
-COMMON = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-)
+COMMON = dict(TINY_TARGET_SHAPE, num_hidden_layers=4, rms_norm_eps=1e-6)
 CONFIGS = {
-    "llama": dict(
-        COMMON,
-        model_type="llama",
-        rope_theta=10000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
-    ),
+    "llama": dict(COMMON, model_type="llama", rope_theta=10000.0, rope_scaling=dict(LLAMA3_SHORT_ROPE)),
     "qwen3_bias": dict(
         COMMON, model_type="qwen3", rope_theta=1e6, attention_bias=True
     ),  # q/k norm, o bias (row-parallel)

@@ -5,6 +5,22 @@ import torch
 from data.chat import Example
 from models.tiny import TINY_TRAIN, tiny_llama  # noqa: F401 (the tests import both from here too)
 
+# The target-backend tests' shape (test_fast_target, test_tensor_parallel): GQA 4 / 2, head dim 16; each
+# adds its layer count and model type
+TINY_TARGET_SHAPE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+# llama3 rope scaling with a short original context, so positions up to 256 reach all three bands
+LLAMA3_SHORT_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+)
+
 
 def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):
     """(hf model, its models/target.Target, random examples, their collated batch): a draft test's
