@@ -17,10 +17,10 @@ import dataclasses
 import os
 import sys
 
-from core.config import cli, config_path
+from core.config import config_path
 from core.disagg.roles import main as disagg_main
 from core.distributed import barrier, destroy
-from core.train_config import ConfigError, TrainConfig, check_inputs, check_out, validate
+from core.train_config import ConfigError, TrainConfig, check_inputs, check_out, parse_cli, validate
 from core.trainer import EXIT_INTERRUPTED, EXIT_STOPPED, CheckpointError, Trainer
 from core.vllm_features import vllm_target
 from data.chat import DataError
@@ -62,7 +62,7 @@ def exit_status(res: dict) -> int:
 
 
 if __name__ == "__main__":
-    cfg = cli(TrainConfig)  # flags, or --config run.yaml with flags overriding it
+    cfg = parse_cli(sys.argv[1:])  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
     if cfg.deploy.role or cfg.deploy.producers:
         try:

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import tyro
 
-from core.config import DeployConfig
+from core.config import DeployConfig, cli, load_yaml
 from core.runlog import RUN_FILES, os_why, output_kind, previous_run, probe_write
 from data.datasets import DEFAULT_DATA
 from models.families import FAMILIES, FAMILY_OPTIONS
@@ -25,7 +25,10 @@ MAX_PROCESSES = 1024  # --producers, --consumer-ranks: processes the disaggregat
 
 
 @dataclass
-class TrainConfig:
+class BaseTrainConfig:
+    """The options every family reads; each family's own are its file's options dataclass (models/family.py
+    `options_cls`), and TrainConfig below is this plus all of them."""
+
     strategy: str = "eagle3"
     """draft family to train: eagle3 | peagle | dflash | domino | dspark (models/families.py)"""
     target: str = DEFAULT_TARGET
@@ -43,7 +46,6 @@ class TrainConfig:
     """examples held out for the final evaluation"""
     max_len: int = 384
     """tokens per conversation; longer ones are truncated"""
-    draft_vocab_size: int = 8192
     ttt_length: int = 7
     """drafted tokens K trained per position: TTT steps (eagle3), parallel depths (peagle), block
     predictions (dflash/domino: blocks of K+1 after the clean anchor; dspark: blocks of K)"""
@@ -51,26 +53,6 @@ class TrainConfig:
     """eagle3: kl (default) | lk-alpha | lk-lambda (LK losses) | tv | rkl | jsd (per-row divergences, as in
     speculators; models/eagle3.py); peagle: kl; dflash: ce (default, per-slot hard CE) |
     dpace (slots reweighted by detached prefix-acceptance estimates); domino: ce; dspark: ce-l1-conf"""
-    fc_norm: bool = False
-    """EAGLE-3.1 (eagle3/peagle): one RMSNorm per aux source before fc"""
-    norm_output: bool = False
-    """EAGLE-3.1 (eagle3/peagle): carry the normed layer output to the next step"""
-    moe_experts: int = 0
-    """eagle3: the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/moe.py MoEMLP)"""
-    moe_top_k: int = 1
-    moe_shared: bool = False
-    """add one always-on shared expert"""
-    moe_mode: str = "flops"
-    """flops: the experts a token runs add up to the dense intermediate size (same active FLOPs); params: all
-    experts together do (same parameter count)"""
-    moe_aux_coef: float = 0.01
-    """weight of the Switch-Transformer load-balancing loss"""
-    draft_layers: int = 1
-    """decoder layers of the block drafters (dflash/domino/dspark)"""
-    num_anchors: int = 32
-    """blocks per sequence (dflash/domino/dspark): random anchors on assistant tokens"""
-    loss_decay: float = 0.0
-    """dflash/domino: weight exp(-(k-1)/gamma) on block slot k (0 = none); dspark always uses gamma 4"""
     aux_layers: tuple[int, ...] = ()
     """target layers whose outputs feed the draft (default [1, L//2-1, L-4])"""
     batch_size: int = 4
@@ -167,6 +149,60 @@ class TrainConfig:
     flags given with it override it (core/config.py)"""
     deploy: Annotated[DeployConfig, tyro.conf.OmitArgPrefixes] = dataclasses.field(default_factory=DeployConfig)
     """disaggregated online training: producer and consumer pools (core/disagg/)"""
+
+
+def _with_options(name: str, option_classes) -> type:
+    """BaseTrainConfig's fields, then those of option_classes (a class that another one extends is left out:
+    it comes with it)."""
+    leaves = [
+        c for c in dict.fromkeys(option_classes) if not any(o is not c and issubclass(o, c) for o in option_classes)
+    ]
+    cls = dataclasses.make_dataclass(name, [], bases=(*leaves, BaseTrainConfig))
+    cls.__module__ = __name__
+    return cls
+
+
+# train.py's whole configuration: the common options and every family's own (a run reads its family's; validate
+# refuses another family's set away from its default). Adding a family with new options needs no line here.
+TrainConfig = _with_options("TrainConfig", [f.options_cls for f in FAMILIES.values()])
+TrainConfig.__doc__ = "train.py's options: BaseTrainConfig's and every family's own (models/family.py options_cls)."
+
+
+def family_cli_class(strategy: str) -> type:
+    """The flags `train.py --strategy NAME` takes (and its --help shows): the common ones and NAME's own."""
+    return _with_options("TrainConfig", [FAMILIES[strategy].options_cls])
+
+
+def parse_cli(args: list[str]) -> TrainConfig:
+    """train.py's command line (flags, or --config FILE.yaml with flags over it) -> its TrainConfig. The strategy
+    (its flag, else the YAML's, else eagle3) picks the options it takes: a flag of another family's option is
+    refused, naming the families that read it; --help lists the strategy's own."""
+    strategy = _given(args, "--strategy")
+    if strategy is None and (path := _given(args, "--config")):
+        strategy = load_yaml(TrainConfig, path).strategy
+    strategy = strategy or BaseTrainConfig.strategy
+    if strategy not in FAMILIES:
+        raise SystemExit(f"error: unknown strategy {strategy!r}: choose one of {', '.join(FAMILIES)}")
+    for a in args:
+        name = a.split("=", 1)[0].removeprefix("--").replace("-", "_")
+        name = name.removeprefix("no_") if a.startswith("--no-") and name not in FAMILY_OPTIONS else name
+        if a.startswith("--") and name in FAMILY_OPTIONS - FAMILIES[strategy].options:
+            users = ", ".join(n for n, f in FAMILIES.items() if name in f.options)
+            raise SystemExit(f"error: --{name.replace('_', '-')} applies to --strategy {users}, not {strategy}")
+    if "-h" in args or "--help" in args:
+        cli(family_cli_class(strategy), args)  # prints this family's flags and exits
+    return cli(TrainConfig, args)  # the same values: the flags were checked above, a YAML by validate
+
+
+def _given(args: list[str], flag: str) -> str | None:
+    """The value of `flag VALUE` or `flag=VALUE` in args (the last one given), else None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 class ConfigError(ValueError):

@@ -132,7 +132,7 @@ class Trainer:
         if not cfg.features and (why := past_context(target_dir, cfg.max_len, "--max-len")):  # (a store: its own)
             raise ConfigError(f"{why}: a longer conversation would run the target past it; pass a smaller --max-len")
         V = config_int(target_dir, "vocab_size")
-        if self.family.draft_vocab and V and cfg.draft_vocab_size > V:
+        if "draft_vocab_size" in self.family.options and V and cfg.draft_vocab_size > V:
             raise ConfigError(
                 f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
                 f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's"

@@ -228,7 +228,7 @@ class Sweep:
         if "--strategy" in setting_args:
             i = setting_args.index("--strategy")
             strategy, setting_args = setting_args[i + 1], setting_args[:i] + setting_args[i + 2 :]
-        vocab = {"draft_vocab_size": a.draft_vocab_size} if family_of(strategy).draft_vocab else {}
+        vocab = {"draft_vocab_size": a.draft_vocab_size} if "draft_vocab_size" in family_of(strategy).options else {}
         cfg = TrainConfig(
             strategy=strategy,
             target=a.target,

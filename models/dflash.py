@@ -418,7 +418,23 @@ class BlockProposer(Proposer):
 
 
 # ---------------------------------------------------------------- the family contract (models/family.py)
-BLOCK_OPTIONS = frozenset({"draft_layers", "num_anchors"})  # every block family (dflash, domino, dspark)
+@dataclass
+class BlockOptions:
+    """train.py's options of every block drafter (dflash, domino, dspark; core/train_config.py adds them to
+    TrainConfig)."""
+
+    draft_layers: int = 1
+    """decoder layers of the block drafter"""
+    num_anchors: int = 32
+    """blocks per sequence: random anchors on assistant tokens"""
+
+
+@dataclass
+class DFlashOptions(BlockOptions):
+    """dflash's and domino's options: the block ones and the slot weighting."""
+
+    loss_decay: float = 0.0
+    """weight exp(-(k-1)/gamma) on block slot k (0 = none; dspark always uses gamma 4)"""
 
 
 def block_family_host(b, cfg, device, key, first=0):
@@ -468,7 +484,7 @@ FAMILY = Family(
     config_cls=DFlashConfig,
     draft_cls=DFlashDraft,
     objectives=OBJECTIVES,
-    options=BLOCK_OPTIONS | {"loss_decay"},
+    options_cls=DFlashOptions,
     build=_build,
     host=block_family_host,
     make_batch=block_family_batch,

@@ -32,10 +32,10 @@ from torch import nn
 
 from kernels.ce import hard_cross_entropy
 from models.dflash import (
-    BLOCK_OPTIONS,
     BlockBatch,
     DFlashConfig,
     DFlashDraft,
+    DFlashOptions,
     block_counts,
     block_family_batch,
     block_family_host,
@@ -167,7 +167,7 @@ FAMILY = Family(
     config_cls=DominoConfig,
     draft_cls=DominoDraft,
     objectives=("ce",),
-    options=BLOCK_OPTIONS | {"loss_decay"},
+    options_cls=DFlashOptions,
     build=_build,
     host=block_family_host,
     make_batch=lambda feats, b, target, draft: block_family_batch(feats, b, target, draft, prev_embeds=True),

@@ -35,8 +35,8 @@ from torch import nn
 from kernels.ce import hard_cross_entropy
 from models.block_serving import DSPARK, BlockServing
 from models.dflash import (
-    BLOCK_OPTIONS,
     BlockBatch,
+    BlockOptions,
     BlockProposer,
     DFlashConfig,
     DFlashDraft,
@@ -186,7 +186,7 @@ FAMILY = Family(
     config_cls=DSparkConfig,
     draft_cls=DSparkDraft,
     objectives=("ce-l1-conf",),
-    options=BLOCK_OPTIONS,
+    options_cls=BlockOptions,
     build=_build,
     host=block_family_host,
     make_batch=_make_batch,

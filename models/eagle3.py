@@ -40,7 +40,7 @@ like kl (q = the draft's softmax over the draft vocab, p = the target's):
   jsd   loss_k = mean_rows ½ KL(p ‖ m) + ½ KL(q ‖ m),  m = (p + q) / 2
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -570,13 +570,41 @@ def _proposer(draft, model, depth, topk):
     return Eagle3Proposer(draft, model.get_input_embeddings(), depth=depth or 3, topk=topk)
 
 
-MOE_OPTIONS = ("moe_experts", "moe_top_k", "moe_shared", "moe_mode", "moe_aux_coef")
+@dataclass
+class EagleOptions:
+    """train.py's options of the EAGLE drafts (eagle3, peagle; core/train_config.py adds them to TrainConfig)."""
+
+    draft_vocab_size: int = 8192
+    """the draft's vocabulary: the target tokens most frequent in the training data (its d2t / t2d map)"""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per aux source before fc"""
+    norm_output: bool = False
+    """EAGLE-3.1: carry the normed layer output to the next step"""
+
+
+@dataclass
+class Eagle3Options(EagleOptions):
+    """eagle3's options: the EAGLE ones and the MoE draft MLP (models/moe.py)."""
+
+    moe_experts: int = 0
+    """the draft MLP as a mixture of this many experts, top-k routed (0 = dense; models/moe.py MoEMLP)"""
+    moe_top_k: int = 1
+    moe_shared: bool = False
+    """add one always-on shared expert"""
+    moe_mode: str = "flops"
+    """flops: the experts a token runs add up to the dense intermediate size (same active FLOPs); params: all
+    experts together do (same parameter count)"""
+    moe_aux_coef: float = 0.01
+    """weight of the Switch-Transformer load-balancing loss"""
+
+
+MOE_OPTIONS = tuple(f.name for f in fields(Eagle3Options) if f.name.startswith("moe_"))
 FAMILY = Family(
     name="eagle3",
     config_cls=Eagle3Config,
     draft_cls=Eagle3Draft,
     objectives=OBJECTIVES,
-    options=frozenset({"draft_vocab_size", "fc_norm", "norm_output", *MOE_OPTIONS}),
+    options_cls=Eagle3Options,
     build=_build,
     host=_host,
     make_batch=_make_batch,
@@ -591,7 +619,6 @@ FAMILY = Family(
     auto=lambda kind: (
         {"attention": "flex", "loss": "triton"} if kind == "cuda" else {"attention": "lse", "loss": "torch"}
     ),
-    draft_vocab=True,
     packs=True,
     ttt_passes=True,
     decode_depth=True,

@@ -7,8 +7,10 @@ family only through that list, so adding one is a new file here plus one line th
                 "strategy", the draft module's `.family`
     config_cls, draft_cls   the draft's config dataclass and nn.Module (config_cls(**json) rebuilds it)
     objectives  accepted --objective values, the first is the default
-    options     the TrainConfig fields that only some families read: this family's subset
-                (train.py refuses the others when set away from their defaults)
+    options_cls the dataclass of this family's own train.py options (e.g. models/eagle3.py Eagle3Options;
+                families of one kind share one); TrainConfig holds every family's, `train.py --strategy
+                NAME --help` shows this family's only, and train.py refuses another family's (`options`:
+                the names)
     attentions, losses  the --attention / --loss values it reads (empty: it reads no such option,
                 and train.py refuses one given); `auto(device kind)` -> the values "auto" means there
     build       (cfg, target, token counts, tokenizer) -> the draft module
@@ -28,7 +30,6 @@ family only through that list, so adding one is a new file here plus one line th
                 otherwise the K it was trained for per step, of which it verifies the first depth <= K
     serving     how export.py writes it for the engines and reads it back (a `Serving`; None: no engine
                 in reach loads it)
-    draft_vocab whether --draft-vocab-size applies (a d2t / t2d subset of the target vocabulary)
     packs       whether its host / make_batch / step keep the documents of packed rows apart
                 (data/packing.py: doc_ids, position_ids in the batch); train.py packs only those
     ttt_passes  the draft runs over every row token once per drafted position (EAGLE-3's TTT):
@@ -40,7 +41,7 @@ anchor slot predicts the first token).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -126,7 +127,7 @@ class Family:
     config_cls: type
     draft_cls: type
     objectives: tuple[str, ...]
-    options: frozenset[str]
+    options_cls: type
     build: Callable
     host: Callable
     make_batch: Callable
@@ -137,10 +138,13 @@ class Family:
     attentions: tuple[str, ...] = ()
     losses: tuple[str, ...] = ()
     auto: Callable[[str], dict] = lambda kind: {}
-    draft_vocab: bool = False
     packs: bool = False
     ttt_passes: bool = False
     decode_depth: bool = False
+
+    @property
+    def options(self) -> frozenset[str]:
+        return frozenset(f.name for f in fields(self.options_cls))
 
 
 def generator(seed: int, key: int, example: int) -> torch.Generator:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask
-from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer, EagleOptions
 from models.eagle_serving import EagleServing
 from models.family import (
     PARALLEL_ATTENTIONS,
@@ -279,7 +279,7 @@ FAMILY = Family(
     config_cls=PEagleConfig,
     draft_cls=PEagleDraft,
     objectives=("kl",),
-    options=frozenset({"draft_vocab_size", "fc_norm", "norm_output"}),
+    options_cls=EagleOptions,
     build=_build,
     host=lambda b, cfg, device, key, first=0: peagle_host(
         b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)
@@ -298,6 +298,5 @@ FAMILY = Family(
     ),
     attentions=PARALLEL_ATTENTIONS,
     auto=parallel_auto,
-    draft_vocab=True,
     packs=True,
 )

@@ -5,6 +5,7 @@ same tensors, and evaluate.py's decoding loop drafts with its proposer and emits
 decoding. A new family gets all of this by its one line in the registry."""
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from core.speculative import TargetRunner, proposer_for, speculative_generate
-from core.train_config import ConfigError, TrainConfig, validate
+from core.train_config import ConfigError, TrainConfig, parse_cli, validate
 from data.datasets import collate
 from export import export, load_checkpoint, load_exported
 from models.families import FAMILIES, FAMILY_OPTIONS
@@ -104,3 +105,28 @@ def test_options_of_other_families_are_refused(name):
     validate(TrainConfig(strategy=name), world=1)
     with pytest.raises(ConfigError, match="unknown strategy 'nope'"):
         validate(TrainConfig(strategy="nope"), world=1)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_command_line_takes_a_familys_own_options(name, capsys):
+    """train.py's flags: --strategy NAME --help lists NAME's own options and no other family's; a flag of
+    another family's option is refused before anything runs (its value too: --no-fc-norm), naming who reads it;
+    NAME's own flags parse to the same TrainConfig as keywords do."""
+    f = FAMILIES[name]
+    with pytest.raises(SystemExit) as e:
+        parse_cli(["--strategy", name, "--help"])
+    assert e.value.code == 0
+    shown = capsys.readouterr().out
+    for option in FAMILY_OPTIONS:
+        listed = re.search(rf"(?<![\w-])--{option.replace('_', '-')}(?![\w-])", shown) is not None
+        assert listed == (option in f.options), option
+    for option in sorted(FAMILY_OPTIONS - f.options):
+        flag = f"--{option.replace('_', '-')}"
+        value = getattr(TrainConfig(), option)
+        for given in [flag, f"--no-{flag[2:]}"] if isinstance(value, bool) else [f"{flag}={value}", flag]:
+            with pytest.raises(SystemExit, match=f"error: {flag} applies to --strategy .*, not {name}"):
+                parse_cli([f"--strategy={name}", given, *([] if "=" in given or isinstance(value, bool) else ["1"])])
+    dash = {o: o.replace("_", "-") for o in f.options}
+    own = [(dash[o], getattr(TrainConfig(), o)) for o in sorted(f.options)]
+    flags = [(f"--{o}" if v else f"--no-{o}") if isinstance(v, bool) else f"--{o}={v}" for o, v in own]
+    assert parse_cli(["--strategy", name, *flags]) == TrainConfig(strategy=name)
