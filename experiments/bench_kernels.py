@@ -73,53 +73,46 @@ class Args:
     """tiny shapes on CPU (Triton interpreter) to test the script"""
 
 
-def main(args: Args):
-    if args.smoke:  # before triton is imported anywhere: CE kernels run in the interpreter on CPU
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    import triton
-    import triton.testing
+class Bench:
+    """What every benchmark shares: the device, dtype and shapes of this run (--smoke: tiny, CPU), timing and
+    memory of one case, its correctness check, and the rows (printed, appended to --out)."""
 
-    import kernels.ttt_attention
-    from kernels.ce import soft_cross_entropy
-    from kernels.fused_ce import fused_linear_soft_ce
-    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+    def __init__(self, args: Args):
+        import torch
+        import triton
 
-    flex_kernel_options = json.loads(args.flex_kernel_options)
-    kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(flex_kernel_options)
+        self.smoke = smoke = args.smoke
+        if not smoke and not torch.cuda.is_available():
+            sys.exit("no CUDA device: use --smoke for a CPU dry run")
+        self.dev = "cpu" if smoke else "cuda"
+        self.dtype = torch.float32 if smoke else torch.bfloat16  # bf16 matmuls are emulated on CPU
+        self.H, self.HQ, self.HKV, self.D = (64, 4, 2, 16) if smoke else (4096, 32, 8, 128)
+        self.seqs = args.max_len or ([64, 130] if smoke else [2048, 4096, 8192])
+        self.ttts = args.ttt_length or ([1, 3] if smoke else [1, 3, 7])
+        self.vocabs = args.draft_vocab_size or ([300] if smoke else [32000, 64000])
+        self.check_seq = args.check_seq or (48 if smoke else 1024)
+        self.out_path = args.out or (
+            Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl"
+        )
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self.meta = dict(
+            gpu=torch.cuda.get_device_name()
+            if self.dev == "cuda"
+            else f"cpu:{platform.processor() or platform.machine()}",
+            torch=torch.__version__,
+            triton=triton.__version__,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            commit=short_commit(),
+            smoke=smoke,
+            flex_kernel_options=json.loads(args.flex_kernel_options),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+        self.rows = []
 
-    smoke = args.smoke
-    if not smoke and not torch.cuda.is_available():
-        sys.exit("no CUDA device: use --smoke for a CPU dry run")
-    dev = "cpu" if smoke else "cuda"
-    dtype = torch.float32 if smoke else torch.bfloat16  # bf16 matmuls are emulated on CPU
-    H, HQ, HKV, D = (64, 4, 2, 16) if smoke else (4096, 32, 8, 128)
-    seqs = args.max_len or ([64, 130] if smoke else [2048, 4096, 8192])
-    ttts = args.ttt_length or ([1, 3] if smoke else [1, 3, 7])
-    vocabs = args.draft_vocab_size or ([300] if smoke else [32000, 64000])
-    head_vocab = vocabs[0]
-    check_seq = args.check_seq or (48 if smoke else 1024)
-    out_path = args.out or (
-        Path("/tmp/kernels_smoke.jsonl") if smoke else ROOT / "experiments/results/kernels_h200.jsonl"
-    )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-
-    meta = dict(
-        gpu=torch.cuda.get_device_name() if dev == "cuda" else f"cpu:{platform.processor() or platform.machine()}",
-        torch=torch.__version__,
-        triton=triton.__version__,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=short_commit(),
-        smoke=smoke,
-        flex_kernel_options=flex_kernel_options,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-    rows = []
-
-    def record(**r):
-        r = {**r, **meta}
-        rows.append(r)
-        with out_path.open("a") as f:
+    def record(self, **r):
+        r = {**r, **self.meta}
+        self.rows.append(r)
+        with self.out_path.open("a") as f:
             f.write(json.dumps(r) + "\n")
         ms = "OOM" if r.get("oom") else f"{r['ms']:.3f}"
         pk = "-" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
@@ -130,11 +123,14 @@ def main(args: Args):
             flush=True,
         )
 
-    def measure(fn):
+    def measure(self, fn):
         """(median ms, peak GiB above the inputs, absolute peak GiB); fn is called once first
         so that compilation and autotuning stay out of both numbers."""
+        import torch
+        import triton.testing
+
         fn()
-        if dev == "cpu":
+        if self.dev == "cpu":
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
@@ -152,159 +148,178 @@ def main(args: Args):
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         return ms, (peak - base) / 2**30, peak / 2**30
 
+    @staticmethod
     def rel_err(got, want):
         num = max((g.float() - w.float()).abs().max().item() for g, w in zip(got, want))
         den = max(w.float().abs().max().item() for w in want)
         return num / max(den, 1e-12)
 
-    def run_case(name, impl, make_fn, check, **fields):
+    def run_case(self, name, impl, make_fn, check, **fields):
         """make_fn() -> fn (allocates inputs); check() -> relative error vs eager (or None)."""
+        import torch
+
         fn = None
         try:
             err = check() if check is not None else None
             fn = make_fn()
-            ms, peak, peak_abs = measure(fn)
-            record(
+            ms, peak, peak_abs = self.measure(fn)
+            self.record(
                 name=name, impl=impl, ms=ms, peak_gib=peak, peak_abs_gib=peak_abs, check_err=err, oom=False, **fields
             )
         except torch.OutOfMemoryError:
-            record(name=name, impl=impl, ms=None, peak_gib=None, peak_abs_gib=None, check_err=None, oom=True, **fields)
+            self.record(
+                name=name, impl=impl, ms=None, peak_gib=None, peak_abs_gib=None, check_err=None, oom=True, **fields
+            )
         finally:
             del fn
             gc.collect()
-            if dev == "cuda":
+            if self.dev == "cuda":
                 torch.cuda.empty_cache()
 
-    def randn(*shape, seed, scale=1.0, grad=False):
-        g = torch.Generator(device=dev).manual_seed(seed)
-        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dtype).requires_grad_(grad)
+    def randn(self, *shape, seed, scale=1.0, grad=False):
+        import torch
 
-    # ----------------------------------------------------------------------- TTT attention
-    attn_impls = {
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+        return (torch.randn(*shape, device=self.dev, generator=g) * scale).to(self.dtype).requires_grad_(grad)
+
+    def cases(self, name, impls, step, inputs, ref, check_impls=None, **fields):
+        """Every impl at every seq: step(impl, *inputs(seq)) timed; each impl but ref checked once against ref at
+        --check-seq (only those in check_impls, if given)."""
+        for impl in impls:
+
+            def check(impl=impl):
+                x = inputs(self.check_seq)
+                want = step(ref, *x)
+                return self.rel_err(step(impl, *_fresh(x)), want)  # fresh leaves: Triton's CE writes its grad in place
+
+            for i, seq in enumerate(self.seqs):
+
+                def make(impl=impl, seq=seq):
+                    x = inputs(seq)
+                    return lambda: step(impl, *x)
+
+                checked = i == 0 and impl != ref and (check_impls is None or impl in check_impls)
+                self.run_case(name, impl, make, check if checked else None, seq=seq, **fields)
+
+    def summary(self):
+        m = self.meta
+        print(f"\n{m['gpu']}  torch {m['torch']}  triton {m['triton']}  {m['date']}  -> {self.out_path}")
+        print(f"{'name':<14} {'impl':<14} {'seq':>6} {'ttt':>4} {'vocab':>6} {'ms':>10} {'peak GiB':>9} {'check':>8}")
+        for r in self.rows:
+            ms = "OOM" if r["oom"] else f"{r['ms']:.3f}"
+            pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+            chk = "-" if r["check_err"] is None else f"{r['check_err']:.1e}"
+            print(
+                f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
+                f"{ms:>10} {pk:>9} {chk:>8}"
+            )
+
+
+def _fresh(x):
+    """The tensors of x (a tuple of tensors and lists of tensors) as new leaves with the same values."""
+    leaf = lambda t: t.detach().clone().requires_grad_(t.requires_grad)  # noqa: E731
+    return tuple([leaf(t) for t in v] if isinstance(v, list) else leaf(v) for v in x)
+
+
+def ttt_attention_dense(q, ks, vs):
+    """SpecForge's eager TTT attention: keys concatenated, [T, n T] logits materialised under the dense TTT mask
+    (causal over step 0, the diagonal of the others)."""
+    import torch
+
+    T, n, g = q.shape[2], len(ks), q.shape[1] // ks[0].shape[1]
+    k_cat = torch.cat(ks, 2).repeat_interleave(g, dim=1)
+    v_cat = torch.cat(vs, 2).repeat_interleave(g, dim=1)
+    i, j = torch.arange(T, device=q.device)[:, None], torch.arange(n * T, device=q.device)[None, :]
+    mask = torch.where(j < T, j <= i, j % T == i)  # [T, nT]: causal over step 0, diagonal of the rest
+    scores = (q @ k_cat.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
+    return probs @ v_cat
+
+
+def bench_attention(b: Bench, args: Args):
+    """ttt_attention (the whole TTT unroll) and ttt_call (one call: the last step's queries against the keys of
+    all n steps, the protocol of SpecForge's flex-vs-eager figures; BENCHMARKS.md, "TTT attention, one call")."""
+    import torch
+
+    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+
+    impls = {
         "eager": ttt_attention_eager,
         "lse": ttt_attention_lse,
-        # flex has no backward on CPU: the smoke run times eager flex forward only
-        # flex (what training uses): keys/values concatenated anew every step; flex_buf: written
-        # once into shared buffers (TTTFlexAttention, one instance per unroll)
-        "flex": ttt_attention_flex if not smoke else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False)),
+        # flex (what training uses): keys/values concatenated anew every step; flex has no backward on CPU:
+        # the smoke run times eager flex forward only. flex_buf: written once into shared buffers
+        # (TTTFlexAttention, one instance per unroll)
+        "flex": ttt_attention_flex
+        if not b.smoke
+        else (lambda q, ks, vs: ttt_attention_flex(q, ks, vs, compiled=False)),
     }
-    fwd_only = {"flex": smoke, "flex_buf": smoke}
+    call_impls = {"eager_dense": ttt_attention_dense, **impls}
+    fwd_only = {"flex": b.smoke, "flex_buf": b.smoke}
 
-    def attn_fn(impl, steps):
-        return TTTFlexAttention(steps, compiled=not smoke) if impl == "flex_buf" else attn_impls[impl]
-
-    def attn_inputs(seq, n):
-        qs = [randn(1, HQ, seq, D, seed=100 + s, grad=True) for s in range(n)]
-        ks = [randn(1, HKV, seq, D, seed=200 + s, grad=True) for s in range(n)]
-        vs = [randn(1, HKV, seq, D, seed=300 + s, grad=True) for s in range(n)]
-        douts = [randn(1, HQ, seq, D, seed=400 + s) for s in range(n)]
+    def inputs(seq, n):
+        qs = [b.randn(1, b.HQ, seq, b.D, seed=100 + s, grad=True) for s in range(n)]
+        ks = [b.randn(1, b.HKV, seq, b.D, seed=200 + s, grad=True) for s in range(n)]
+        vs = [b.randn(1, b.HKV, seq, b.D, seed=300 + s, grad=True) for s in range(n)]
+        douts = [b.randn(1, b.HQ, seq, b.D, seed=400 + s) for s in range(n)]
         return qs, ks, vs, douts
 
-    def attn_step(impl, inputs, backward=True):
+    def unroll(impl, qs, ks, vs, douts, backward=True):
         """The TTT unroll: step s attends over key/value sets 0..s; returns outputs (+ grads)."""
-        qs, ks, vs, douts = inputs
-        fn = attn_fn(impl, len(qs))
+        fn = TTTFlexAttention(len(qs), compiled=not b.smoke) if impl == "flex_buf" else impls[impl]
         with torch.set_grad_enabled(backward):
             outs = [fn(qs[s], ks[: s + 1], vs[: s + 1]) for s in range(len(qs))]
-        if not backward:
-            return outs
-        return outs + list(torch.autograd.grad(outs, qs + ks + vs, douts))
+        return outs + list(torch.autograd.grad(outs, qs + ks + vs, douts)) if backward else outs
 
-    def bench_attention(name, step, impls, ref):
-        """Every impl at every TTT length and seq; each (impl, TTT) is checked once against ref."""
-        for n in ttts:
-            for impl in impls:
-                bwd = not fwd_only.get(impl, False)
-
-                def check(impl=impl, n=n, bwd=bwd):
-                    inputs = attn_inputs(check_seq, n)
-                    return rel_err(step(impl, inputs, bwd), step(ref, inputs, bwd))
-
-                for i, seq in enumerate(seqs):
-
-                    def make(impl=impl, seq=seq, n=n, bwd=bwd):
-                        inputs = attn_inputs(seq, n)
-                        return lambda: step(impl, inputs, bwd)
-
-                    run_case(
-                        name,
-                        impl,
-                        make,
-                        check if i == 0 and impl != ref else None,
-                        seq=seq,
-                        ttt=n,
-                        vocab=None,
-                        fwd_only=not bwd,
-                    )
-
-    if "attn" in args.only:
-        bench_attention("ttt_attention", attn_step, args.attention, "eager")
-
-    # ----------------------------------------------------------------------- one TTT step's call
-    # The protocol of SpecForge's flex-vs-eager figures (BENCHMARKS.md, "TTT attention, one call"): one attention
-    # call, the last TTT step's (queries of one step against the keys of all n steps). eager_dense
-    # is their eager: keys concatenated, [T, n T] logits materialised under the dense TTT mask.
-    def ttt_attention_dense(q, ks, vs):
-        T, n, g = q.shape[2], len(ks), q.shape[1] // ks[0].shape[1]
-        k_cat = torch.cat(ks, 2).repeat_interleave(g, dim=1)
-        v_cat = torch.cat(vs, 2).repeat_interleave(g, dim=1)
-        i, j = torch.arange(T, device=q.device)[:, None], torch.arange(n * T, device=q.device)[None, :]
-        mask = torch.where(j < T, j <= i, j % T == i)  # [T, nT]: causal over step 0, diagonal of the rest
-        scores = (q @ k_cat.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        probs = scores.masked_fill(~mask, float("-inf")).float().softmax(-1).to(q.dtype)
-        return probs @ v_cat
-
-    call_impls = {"eager_dense": ttt_attention_dense, **attn_impls}
-
-    def call_step(impl, inputs, backward=True):
-        qs, ks, vs, douts = inputs
+    def call(impl, qs, ks, vs, douts, backward=True):
         with torch.set_grad_enabled(backward):
             out = call_impls[impl](qs[-1], ks, vs)
         return [out] + (list(torch.autograd.grad(out, [qs[-1], *ks, *vs], douts[-1])) if backward else [])
 
-    if "call" in args.only:
-        bench_attention("ttt_call", call_step, list(call_impls), "eager_dense")
+    benches = {
+        "attn": ("ttt_attention", unroll, args.attention, "eager"),
+        "call": ("ttt_call", call, call_impls, "eager_dense"),
+    }
+    for key, (name, step, names, ref) in benches.items():
+        if key not in args.only:
+            continue
+        for n in b.ttts:
+            for impl in names:  # one impl at a time: fwd_only differs
+                bwd = not fwd_only.get(impl, False)
+                b.cases(
+                    name,
+                    [impl],
+                    lambda impl, *x, bwd=bwd, step=step: step(impl, *x, backward=bwd),
+                    lambda seq, n=n: inputs(seq, n),
+                    ref,
+                    ttt=n,
+                    vocab=None,
+                    fwd_only=not bwd,
+                )
 
-    # ----------------------------------------------------------------------- cross-entropy
+
+def bench_ce(b: Bench, args: Args):
+    """ce (soft CE on [seq, vocab] logits) and head_ce (the draft head's matmul + soft CE, or fused)."""
+    import torch
+
+    from kernels.ce import soft_cross_entropy
+    from kernels.fused_ce import fused_linear_soft_ce
+
     def eager_soft_ce(z, p, mask):
         return (mask * -(p.float() * torch.log_softmax(z.float(), -1)).sum(-1)).sum()
 
-    ce_impls = {"eager": eager_soft_ce, "triton": soft_cross_entropy}
-
     def targets(N, V):
         """soft targets p [N, V] and a mask with ~10% of rows off (prompt tokens, padding)."""
-        p = torch.softmax(randn(N, V, seed=2, scale=2.0).float(), -1).to(dtype)
-        mask = (torch.rand(N, device=dev, generator=torch.Generator(device=dev).manual_seed(3)) > 0.1).float()
+        p = torch.softmax(b.randn(N, V, seed=2, scale=2.0).float(), -1).to(b.dtype)
+        mask = (torch.rand(N, device=b.dev, generator=torch.Generator(device=b.dev).manual_seed(3)) > 0.1).float()
         return p, mask
 
-    def ce_inputs(N, V):
-        return randn(N, V, seed=1, scale=3.0, grad=True), *targets(N, V)
+    ce_impls = {"eager": eager_soft_ce, "triton": soft_cross_entropy}
 
     def ce_step(impl, z, p, mask):
         # autograd.grad, not backward: a leaf's AccumulateGrad would clone the in-place gradient
         loss = ce_impls[impl](z, p, mask)
         return [loss, *torch.autograd.grad(loss, [z])]
 
-    if "ce" in args.only:
-        for V in vocabs:
-            for impl in ce_impls:
-
-                def check(impl=impl, V=V):
-                    if impl == "eager":
-                        return None
-                    z, p, mask = ce_inputs(check_seq, V)
-                    want = ce_step("eager", z, p, mask)
-                    return rel_err(ce_step(impl, z.detach().clone().requires_grad_(), p, mask), want)
-
-                for i, seq in enumerate(seqs):
-
-                    def make(impl=impl, seq=seq, V=V):
-                        z, p, mask = ce_inputs(seq, V)
-                        return lambda: ce_step(impl, z, p, mask)
-
-                    run_case("ce", impl, make, check if i == 0 else None, seq=seq, ttt=None, vocab=V, fwd_only=False)
-
-    # ----------------------------------------------------------------------- head + CE
     def head_step(impl, h, W, p, mask):
         if impl == "fused":
             loss, _ = fused_linear_soft_ce(h, W, p, mask)
@@ -313,40 +328,46 @@ def main(args: Args):
             loss = eager_soft_ce(logits, p, mask) if impl == "eager" else soft_cross_entropy(logits, p, mask)
         return [loss, *torch.autograd.grad(loss, [h, W])]
 
-    def head_inputs(N, V):
-        h = randn(N, H, seed=4, grad=True)
-        W = randn(V, H, seed=5, scale=1 / math.sqrt(H), grad=True)
-        return h, W, *targets(N, V)
-
+    if "ce" in args.only:
+        for V in b.vocabs:
+            b.cases(
+                "ce",
+                list(ce_impls),
+                ce_step,
+                lambda N, V=V: (b.randn(N, V, seed=1, scale=3.0, grad=True), *targets(N, V)),
+                "eager",
+                ttt=None,
+                vocab=V,
+                fwd_only=False,
+            )
     if "head" in args.only:
-        V = head_vocab
-        for impl in ["eager", "matmul+triton", "fused"]:
-
-            def check(impl=impl):
-                if impl == "eager":
-                    return None
-                inputs = head_inputs(check_seq, V)
-                return rel_err(head_step(impl, *inputs), head_step("eager", *inputs))
-
-            for i, seq in enumerate(seqs):
-
-                def make(impl=impl, seq=seq):
-                    inputs = head_inputs(seq, V)
-                    return lambda: head_step(impl, *inputs)
-
-                run_case("head_ce", impl, make, check if i == 0 else None, seq=seq, ttt=None, vocab=V, fwd_only=False)
-
-    # ----------------------------------------------------------------------- summary
-    print(f"\n{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  {meta['date']}  -> {out_path}")
-    print(f"{'name':<14} {'impl':<14} {'seq':>6} {'ttt':>4} {'vocab':>6} {'ms':>10} {'peak GiB':>9} {'check':>8}")
-    for r in rows:
-        ms = "OOM" if r["oom"] else f"{r['ms']:.3f}"
-        pk = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        chk = "-" if r["check_err"] is None else f"{r['check_err']:.1e}"
-        print(
-            f"{r['name']:<14} {r['impl']:<14} {r['seq']:>6} {str(r['ttt'] or '-'):>4} {str(r['vocab'] or '-'):>6} "
-            f"{ms:>10} {pk:>9} {chk:>8}"
+        V = b.vocabs[0]
+        b.cases(
+            "head_ce",
+            ["eager", "matmul+triton", "fused"],
+            head_step,
+            lambda N: (
+                b.randn(N, b.H, seed=4, grad=True),
+                b.randn(V, b.H, seed=5, scale=1 / math.sqrt(b.H), grad=True),
+                *targets(N, V),
+            ),
+            "eager",
+            ttt=None,
+            vocab=V,
+            fwd_only=False,
         )
+
+
+def main(args: Args):
+    if args.smoke:  # before triton is imported anywhere: CE kernels run in the interpreter on CPU
+        os.environ["TRITON_INTERPRET"] = "1"
+    import kernels.ttt_attention
+
+    kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(json.loads(args.flex_kernel_options))
+    b = Bench(args)
+    bench_attention(b, args)
+    bench_ce(b, args)
+    b.summary()
 
 
 if __name__ == "__main__":
