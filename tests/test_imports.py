@@ -84,15 +84,20 @@ def library_to_entry(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted((m, n) for m, deps in graph.items() if is_library(m) for n in deps if not is_library(n))
 
 
-def project_graph(with_tests: bool = False) -> dict[str, set[str]]:
+def python_files(root: Path = ROOT) -> list[Path]:
+    """Every .py that git tracks or would track (not ignored), relative to root."""
     out = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-        cwd=ROOT,
+        cwd=root,
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    files = [Path(p) for p in out.split() if with_tests or not p.startswith("tests/")]
+    return [Path(p) for p in out.split()]
+
+
+def project_graph(with_tests: bool = False) -> dict[str, set[str]]:
+    files = [p for p in python_files() if with_tests or p.parts[0] != "tests"]
     return import_graph(ROOT, files)
 
 

@@ -3,22 +3,15 @@ and the scripts at the root hold no file over 800 lines and no function over 100
 outside this rule). A function that outgrows it is split where its steps are; a file, by what it does."""
 
 import ast
-import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_imports import ROOT, python_files
+
 MAX_FILE, MAX_FUNCTION = 800, 100
 
 
-def core_files(root: Path) -> list[Path]:
-    out = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return [Path(f) for f in out if "/" not in f or f.split("/")[0] in ("core", "data", "kernels", "models")]
+def core_files() -> list[Path]:
+    return [f for f in python_files() if len(f.parts) == 1 or f.parts[0] in ("core", "data", "kernels", "models")]
 
 
 def oversize(root: Path, files: list[Path]) -> list[str]:
@@ -36,7 +29,7 @@ def oversize(root: Path, files: list[Path]) -> list[str]:
 
 
 def test_core_rooms_are_readable():
-    files = core_files(ROOT)
+    files = core_files()
     assert len(files) > 40 and Path("train.py") in files and Path("models/eagle3.py") in files
     assert oversize(ROOT, files) == []
 
