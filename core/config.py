@@ -188,11 +188,17 @@ def cli(cls, args=None):
     return tyro.cli(cls, args=args, default=default)
 
 
-def config_path(argv: list[str]) -> str:
-    """The --config file named on the command line (cli() reads it and drops it from the flags)."""
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    """The values given to `flag` on a command line (`flag VALUE` or `flag=VALUE`), in order."""
+    out = []
     for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return ""
+        if a.startswith(flag + "="):
+            out.append(a.split("=", 1)[1])
+        elif a == flag and i + 1 < len(argv):
+            out.append(argv[i + 1])
+    return out
+
+
+def config_path(argv: list[str]) -> str:
+    """The --config file named on the command line (cli() reads the first and drops it from the flags)."""
+    return next(iter(flag_values(argv, "--config")), "")

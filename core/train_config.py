@@ -14,7 +14,7 @@ from typing import Annotated
 
 import tyro
 
-from core.config import DeployConfig, cli, load_yaml
+from core.config import DeployConfig, cli, config_path, flag_values, load_yaml
 from core.runlog import RUN_FILES, os_why, output_kind, previous_run, probe_write
 from data.datasets import DEFAULT_DATA
 from models.families import FAMILIES, FAMILY_OPTIONS
@@ -177,8 +177,8 @@ def parse_cli(args: list[str]) -> TrainConfig:
     """train.py's command line (flags, or --config FILE.yaml with flags over it) -> its TrainConfig. The strategy
     (its flag, else the YAML's, else eagle3) picks the options it takes: a flag of another family's option is
     refused, naming the families that read it; --help lists the strategy's own."""
-    strategy = _given(args, "--strategy")
-    if strategy is None and (path := _given(args, "--config")):
+    strategy = next(reversed(flag_values(args, "--strategy")), None)  # the last one given, as the parser keeps
+    if strategy is None and (path := config_path(args)):
         strategy = load_yaml(TrainConfig, path).strategy
     strategy = strategy or BaseTrainConfig.strategy
     if strategy not in FAMILIES:
@@ -192,17 +192,6 @@ def parse_cli(args: list[str]) -> TrainConfig:
     if "-h" in args or "--help" in args:
         cli(family_cli_class(strategy), args)  # prints this family's flags and exits
     return cli(TrainConfig, args)  # the same values: the flags were checked above, a YAML by validate
-
-
-def _given(args: list[str], flag: str) -> str | None:
-    """The value of `flag VALUE` or `flag=VALUE` in args (the last one given), else None."""
-    value = None
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-    return value
 
 
 class ConfigError(ValueError):

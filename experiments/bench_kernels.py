@@ -182,9 +182,9 @@ class Bench:
         g = torch.Generator(device=self.dev).manual_seed(seed)
         return (torch.randn(*shape, device=self.dev, generator=g) * scale).to(self.dtype).requires_grad_(grad)
 
-    def cases(self, name, impls, step, inputs, ref, check_impls=None, **fields):
+    def cases(self, name, impls, step, inputs, ref, **fields):
         """Every impl at every seq: step(impl, *inputs(seq)) timed; each impl but ref checked once against ref at
-        --check-seq (only those in check_impls, if given)."""
+        --check-seq."""
         for impl in impls:
 
             def check(impl=impl):
@@ -198,8 +198,7 @@ class Bench:
                     x = inputs(seq)
                     return lambda: step(impl, *x)
 
-                checked = i == 0 and impl != ref and (check_impls is None or impl in check_impls)
-                self.run_case(name, impl, make, check if checked else None, seq=seq, **fields)
+                self.run_case(name, impl, make, check if i == 0 and impl != ref else None, seq=seq, **fields)
 
     def summary(self):
         m = self.meta

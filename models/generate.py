@@ -53,7 +53,6 @@ class Sampling:
 
 GREEDY = Sampling()
 BLOCK = 128  # cache positions per block: the plain path's length bucket, the flex path's mask block
-_compiled_flex = None  # torch.compile(flex_attention), made on first use (compiling is lazy anyway)
 
 
 def length_block_mask(pos_S: torch.Tensor, G: int, L: int) -> BlockMask:
@@ -69,17 +68,11 @@ def length_block_mask(pos_S: torch.Tensor, G: int, L: int) -> BlockMask:
 
 def flex_decode(q_SHqD, k_SHkvLD, v_SHkvLD, block_mask: BlockMask):
     """One query per slot and head [S, Hq, 1, D] against its cache [S, Hkv, L, D] -> [S, Hq, 1, D]
-    (query head h reads KV head h // G, as enable_gqa would)."""
+    (query head h reads KV head h // G, as enable_gqa would). Called inside the compiled decode step,
+    which compiles flex_attention with it."""
     S, Hkv, _, D = k_SHkvLD.shape
     qg = q_SHqD.reshape(S, Hkv, -1, D)  # [S, Hkv, G, D]: G queries per KV head
-    if torch.compiler.is_compiling():  # inside the compiled step
-        o = flex_attention(qg, k_SHkvLD, v_SHkvLD, block_mask=block_mask)
-    else:
-        global _compiled_flex
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        o = _compiled_flex(qg, k_SHkvLD, v_SHkvLD, block_mask=block_mask)
-    return o.reshape(q_SHqD.shape)
+    return flex_attention(qg, k_SHkvLD, v_SHkvLD, block_mask=block_mask).reshape(q_SHqD.shape)
 
 
 def sample(logits_SV: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
