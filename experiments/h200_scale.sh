@@ -2,7 +2,8 @@
 # Issue 31 on one H200, in calls made back to back (the machine keeps /tmp ~30 s after a call):
 # stage the model (`bash ../shared/device/prepare.sh` then one call per part, carry
 # [".whl", ".device", ".stage/qI"], command `bash .device/run_on_device.sh true`), then:
-#   bash .device/run_on_device.sh bash experiments/h200_scale.sh gen     # CUDA-graph test + bench, new data
+#   bash .device/run_on_device.sh bash experiments/h200_scale.sh gen     # new data (NEW_PROMPTS=1: new prompts too)
+#   bash .device/run_on_device.sh bash experiments/h200_scale.sh bench   # the generator's CUDA test + bench
 #   bash .device/run_on_device.sh bash experiments/h200_scale.sh train   # two drafts on the mix; the shipped one's τ
 #   RESUME=1 ... h200_scale.sh train                                     # on to STEPS, export, τ of both
 # gen: the target writes code, math and chat prompts (capture.py prompts --user-prefix, sampled at
@@ -16,7 +17,7 @@
 # stacks every 20 s, torch.compile's times at exit), the failing configuration on the mix, on the v3 file
 # alone, and eager (packed rows); PROBE_S seconds. Phases run in order in one call: `h200_scale.sh gen probe`.
 set -uo pipefail
-(($#)) || { echo "usage: h200_scale.sh gen|probe|train ..."; exit 2; }
+(($#)) || { echo "usage: h200_scale.sh bench|gen|probe|train ..."; exit 2; }
 PHASES="$*"
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
 W=/tmp/scale
@@ -50,13 +51,14 @@ CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog 
   "Write a short story about" "Compare and contrast" "Extract the" "Pretend to be" "Why is")
 for PHASE in $PHASES; do
 case $PHASE in
-  gen)
-    DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
-    [[ -n ${SKIP_BENCH:-} ]] || { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
+  bench)  # the generator's CUDA test and its bench (eager, graphs, flex) with a profile of each mode's decode step
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
     tail -2 $OUT/cuda_tests_generate.txt
     timeout 200 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 8192 \
       --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
-    grep '^{' $OUT/gen_bench.log | cut -c1-330; }
+    grep '^{' $OUT/gen_bench.log | cut -c1-330 ;;
+  gen)
+    DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
     jobs=()
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
       declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) in a quarter of what is left
