@@ -19,11 +19,11 @@
 set -uo pipefail
 (($#)) || { echo "usage: h200_scale.sh bench|gen|probe|train ..."; exit 2; }
 PHASES="$*"
-T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}  # TARGET: another model (a CPU dry run)
 W=/tmp/scale
 LIMIT=${LIMIT:-560}
 mkdir -p $W/mix
-[[ -f $T ]] || { echo "no staged target at $T"; exit 1; }
+[[ -e $T ]] || { echo "no staged target at $T"; exit 1; }
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
 SMI=$!
 DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never past LIMIT
@@ -33,7 +33,7 @@ mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's 
   cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
   cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/v3_data/v3_sharegpt.jsonl.gz
   cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
-  for d in code math chat; do [[ -f $W/mix/a_$d.jsonl ]] && cp -n $W/mix/a_$d.jsonl $W/mix_data/si_$d.jsonl; done
+  for f in $W/mix/a_*.jsonl; do [[ $f == *.dropped.jsonl ]] || cp -n $f $W/mix_data/si_${f#$W/mix/a_}; done
   ls -la $W/mix_data > $OUT/mix_files.txt
 }
 parts() { local f=$1; if (($(stat -c %s "$f") > 15000000)); then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi; }
@@ -51,36 +51,45 @@ CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog 
   "Write a short story about" "Compare and contrast" "Extract the" "Pretend to be" "Why is")
 for PHASE in $PHASES; do
 case $PHASE in
-  bench)  # the generator's CUDA test and its bench (eager, graphs, flex) with a profile of each mode's decode step
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
-    tail -2 $OUT/cuda_tests_generate.txt
-    timeout 200 python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl --requests 8192 \
-      --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
-    grep '^{' $OUT/gen_bench.log | cut -c1-330 ;;
+  bench)  # the generator's bench (eager, graphs, flex) with a profile of each mode's decode step, then its CUDA test
+    DEADLINE=$LIMIT  # after gen in the same call: both within LIMIT (a call killed at 600 s brings nothing back)
+    timeout $(($(left) - 15)) python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl \
+      --requests 8192 --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
+    grep '^{' $OUT/gen_bench.log | cut -c1-330
+    (($(left) > 60)) && timeout $(($(left) - 10)) python3 -m pytest -q -p no:cacheprovider tests/test_generate.py \
+      > $OUT/cuda_tests_generate.txt 2>&1; tail -2 $OUT/cuda_tests_generate.txt ;;
   gen)
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
     jobs=()
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
-      declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) in a quarter of what is left
+      declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) for PROMPT_S s (a quarter of what is left)
       (zcat data/smollm2_domains/prompts_$d.jsonl.gz data/smollm2_domains/prompts_${d}_seed*.jsonl.gz > $W/p_$d.jsonl
-       [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $(($(left) / 4)) python3 capture.py prompts --target $T \
+       PS=${PROMPT_S:-$(($(left) / 4))}  # one call with 82 s wrote nothing: three processes converting and compiling
+       [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $PS python3 capture.py prompts --target $T \
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
-         --seed ${SEED:-13} --time-limit $(($(left) / 4 - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1 &&
-         cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
-       timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T \
-         --data $W/p_$d.jsonl --out $W/mix/a_$d.jsonl --engine slots --slots 1024 --max-new-tokens 512 \
-         --max-prompt-len 512 --time-limit $(($(left) - 60)) > $OUT/answers_$d.log 2>&1) &
+         --seed ${SEED:-13} --time-limit $((PS - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1
+       [[ -f $W/pn_$d.jsonl ]] && cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
+       # REPLIES: answer passes in order, "greedy" (a_$d.jsonl, the decoding the draft serves under) or
+       # TEMPERATURE:SEED (sampled at top-p 0.95, a_${d}_tT_sS.jsonl: more replies per prompt); each resumable
+       for r in ${REPLIES:-greedy}; do
+         o=$W/mix/a_$d.jsonl; s=()
+         [[ $r == greedy ]] || { o=$W/mix/a_${d}_t${r%:*}_s${r#*:}.jsonl; s=(--temperature ${r%:*} --top-p 0.95 --seed ${r#*:}); }
+         (($(left) > 90)) || break
+         timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T "${s[@]}" \
+           --data $W/p_$d.jsonl --out $o --engine slots --slots 1024 --max-new-tokens 512 \
+           --max-prompt-len 512 --time-limit $(($(left) - 60)) >> $OUT/answers_$d.log 2>&1
+       done) &
       jobs+=($!)
     done
     wait "${jobs[@]}"
     for d in code math chat; do
-      cp $W/mix/a_$d.provenance.json $OUT/answers_$d.provenance.json
-      if [[ -n ${NEW_PROMPTS:-} ]]; then  # new prompts come back; committed ones are in the repo
+      for f in $W/mix/a_$d*.provenance.json; do cp $f $OUT/answers_${f#$W/mix/a_}; done
+      if [[ -f $W/pn_$d.jsonl ]]; then  # new prompts come back; committed ones are in the repo
         cp $W/pn_$d.provenance.json $OUT/prompts_$d.provenance.json
         gzip -9c $W/pn_$d.jsonl > $OUT/prompts_$d.jsonl.gz; parts $OUT/prompts_$d.jsonl.gz
         tail -n 1 $OUT/prompts_$d.log | cut -c1-300
       fi
-      tail -n 1 $OUT/answers_$d.log | cut -c1-300
+      grep -a "complete\|stop" $OUT/answers_$d.log | cut -c1-300
     done
     wc -l $W/mix/a_*.jsonl ;;
   probe)
