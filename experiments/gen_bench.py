@@ -90,9 +90,30 @@ def profile_steps(gen: SlotGenerator, n: int, mode: str):
         while gen.busy() and done < n:
             gen.step()
             done += 1  # a step() call decodes until a request finishes: sync_every decode steps or more
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"[profile] {mode}: {done} step() calls", flush=True)
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+    # by device time (what the GPU runs), then by host time (what keeps the GPU waiting)
+    sorts = (["self_cuda_time_total"] if torch.cuda.is_available() else []) + ["self_cpu_time_total"]
+    for sort in sorts:
+        print(f"[profile] {mode}, sorted by {sort}", flush=True)
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60), flush=True)
+
+
+def host_timers(gen: SlotGenerator) -> dict:
+    """Wraps the generator's loop parts to sum the host seconds each takes (no sync added: the wait for the
+    GPU shows up where the loop reads the device, in _harvest; _decode includes _graph_logits)."""
+    acc: dict = {}
+    for name in ("_fill", "_decode", "_graph_logits", "_harvest"):
+        f = getattr(gen, name)
+
+        def timed(*args, _f=f, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kw)
+            finally:
+                acc[_name] = acc.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(gen, name, timed)
+    return acc
 
 
 def run(model, prompts, eos, a: Args, mode: str) -> tuple[dict, dict]:
@@ -108,11 +129,13 @@ def run(model, prompts, eos, a: Args, mode: str) -> tuple[dict, dict]:
         got.update({k: t for k, t, _ in gen.step()})
     sync(model)
     warm_s, steps0, kv0, n0 = time.time() - t_warm, gen.steps, gen.kv_positions_read, sum(map(len, got.values()))
+    host = host_timers(gen)
     t0 = time.time()
     while gen.busy() and time.time() - t0 < a.time_limit:
         got.update({k: t for k, t, _ in gen.step()})
     sync(model)
     sec = time.time() - t0
+    host_s = {k: round(v, 2) for k, v in host.items()}
     new = sum(map(len, got.values())) - n0
     if a.profile and gen.busy():
         profile_steps(gen, a.profile, mode)
@@ -137,6 +160,7 @@ def run(model, prompts, eos, a: Args, mode: str) -> tuple[dict, dict]:
         "graphs_captured": len(gen.graphs or {}),
         "bytes_per_step": round(step_bytes),
         "hbm_share": round(step_bytes * steps / sec / peak, 3) if peak else None,
+        "host_s": host_s,  # of `seconds`, the host's time in each loop part (_harvest: waiting for the GPU)
     }
     return row, got
 
