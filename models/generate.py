@@ -31,6 +31,12 @@ Decode attention reads the KV cache, most of a step's bytes. Two ways (`flex`):
   * plain: matmul, masked softmax, matmul over the prefix L every slot shares (the longest slot's
     length, rounded up to a bucket of 128; one graph per bucket): the reference, and the CPU path
     (no compile needed).
+
+Prefills run eagerly between decode steps, each batch a new shape [n, P]. Two things there kept the
+H200 waiting (experiments/results/scale_h200/gen_host/: the loop's host spent 9.7 of 15 s refilling
+slots): SDPA's cuDNN backend plans each new shape again (2.2 ms of host time per layer), so prefill
+attention asks for the flash / memory-efficient / math kernels; and a copy from pageable host memory
+first waits for every queued decode step, so the prompts go through pinned memory.
 """
 
 from collections import deque
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from models.fast_target import FastTarget
@@ -53,6 +60,8 @@ class Sampling:
 
 GREEDY = Sampling()
 BLOCK = 128  # cache positions per block: the plain path's length bucket, the flex path's mask block
+# prefill attention: every kernel but cuDNN's, which plans each new [n, P] again on the host
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def length_block_mask(pos_S: torch.Tensor, G: int, L: int) -> BlockMask:
@@ -170,6 +179,11 @@ class SlotGenerator:
     def busy(self) -> bool:
         return bool(self.waiting) or any(k is not None for k in self.key)
 
+    def _queued(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, the copy queued behind the decode steps (from pageable memory
+        the host would first wait for all of them)."""
+        return t.pin_memory().to(self.dev, non_blocking=True) if self.dev.type == "cuda" else t.to(self.dev)
+
     # ---- the model: FastTarget's modules, with a KV cache -------------------------------------
     def _logits(self, h_NH):
         return self.t.lm_head(self.t.model.norm(h_NH)).float()
@@ -181,15 +195,15 @@ class SlotGenerator:
         ids = torch.zeros(n, P, dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
-        ids, sl = ids.to(self.dev), torch.tensor(slots, device=self.dev)
-        lens = torch.tensor([len(p) for p in prompts], device=self.dev)
+        ids, sl, lens = (self._queued(t) for t in (ids, torch.tensor(slots), torch.tensor(list(map(len, prompts)))))
         h = self.t.model.embed_tokens(ids)
         cos, sin = self.t.rope(torch.arange(P, device=self.dev).expand(n, P), h.dtype)
         for i, layer in enumerate(self.t.model.layers):
             a = layer.self_attn
             q, k, v = a.project(layer.input_layernorm(h), cos, sin)
             self.k[i][sl, :, :P], self.v[i][sl, :, :P] = k, v
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            with sdpa_kernel(PREFILL_SDPA):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
             h = h + a.o_proj(merge_heads(o))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         last = h[torch.arange(n, device=self.dev), lens - 1]  # [n, H]

@@ -202,3 +202,26 @@ def test_parallel_tokenization_equals_serial(smollm2_tokenizer):
     with pytest.raises(DataError, match="record 150 "):
         build_examples(bad, smollm2_tokenizer, 256, workers=3)
     assert tokenize_workers(100) == 1 and tokenize_workers(10**6) <= 16
+
+
+def test_committed_self_instruct_prompts_share_no_8_words_with_a_benchmark():
+    """Every prompt the target wrote and the repository keeps for training (data/smollm2_domains,
+    data/smollm2_selfinstruct) passed the benchmark guard when it was written; this reads them back
+    against it, so a file added by hand or by another generator cannot carry a benchmark prompt in."""
+    import gzip
+    import json
+
+    from data.selfinstruct import BenchmarkGuard, benchmark_prompts
+
+    guard = BenchmarkGuard(benchmark_prompts())
+    root = Path(__file__).resolve().parents[1] / "data"
+    files = sorted(root.glob("smollm2_domains/prompts_*.jsonl.gz")) + [root / "smollm2_selfinstruct/prompts.jsonl.gz"]
+    assert len(files) >= 10
+    n = 0
+    for f in files:
+        with gzip.open(f, "rt", encoding="utf-8") as fh:
+            for line in fh:
+                user = json.loads(line)["messages"][0]["content"]
+                assert not guard.hits(user), (f.name, user[:200])
+                n += 1
+    assert n > 100_000
