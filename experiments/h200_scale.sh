@@ -51,12 +51,13 @@ CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog 
   "Write a short story about" "Compare and contrast" "Extract the" "Pretend to be" "Why is")
 for PHASE in $PHASES; do
 case $PHASE in
-  bench)  # the generator's bench (eager, graphs, flex) with a profile of each mode's decode step, then its CUDA test
+  bench)  # the generator's bench (BENCH_MODES) with a profile of each mode's decode step; BENCH_TEST=1: its CUDA test
     DEADLINE=$LIMIT  # after gen in the same call: both within LIMIT (a call killed at 600 s brings nothing back)
     timeout $(($(left) - 15)) python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl \
-      --requests 8192 --time-limit ${BENCH_S:-25} --profile ${PROFILE:-3} > $OUT/gen_bench.log 2>&1
+      --requests 8192 --modes ${BENCH_MODES:-graphs flex} --time-limit ${BENCH_S:-20} --profile ${PROFILE:-2} \
+      > $OUT/gen_bench.log 2>&1
     grep '^{' $OUT/gen_bench.log | cut -c1-330
-    (($(left) > 60)) && timeout $(($(left) - 10)) python3 -m pytest -q -p no:cacheprovider tests/test_generate.py \
+    [[ -n ${BENCH_TEST:-} ]] && (($(left) > 60)) && timeout $(($(left) - 10)) python3 -m pytest -q -p no:cacheprovider tests/test_generate.py \
       > $OUT/cuda_tests_generate.txt 2>&1; tail -2 $OUT/cuda_tests_generate.txt ;;
   gen)
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
