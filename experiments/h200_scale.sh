@@ -52,7 +52,8 @@ CHAT=("Write a persuasive essay about" "Imagine you are" "Compose a travel blog 
 for PHASE in $PHASES; do
 case $PHASE in
   bench)  # the generator's bench (BENCH_MODES) with a profile of each mode's decode step; BENCH_TEST=1: its CUDA test
-    DEADLINE=$LIMIT  # after gen in the same call: both within LIMIT (a call killed at 600 s brings nothing back)
+    # BENCH_T seconds from its start, never past 585 s of the call (a call killed at 600 s brings nothing back)
+    DEADLINE=$((SECONDS + ${BENCH_T:-150})); ((DEADLINE > 585)) && DEADLINE=585
     timeout $(($(left) - 15)) python3 experiments/gen_bench.py --target $T --out $OUT/gen_bench_h200.jsonl \
       --requests 8192 --modes ${BENCH_MODES:-graphs flex} --time-limit ${BENCH_S:-20} --profile ${PROFILE:-2} \
       > $OUT/gen_bench.log 2>&1
