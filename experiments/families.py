@@ -75,11 +75,10 @@ def columns(ks) -> list[str]:
 
 @dataclass
 class FamiliesArgs(SweepArgs):
-    data: str = "sharegpt-greedy"
+    data: str = "sharegpt-greedy"  # the shipped draft's recipe, not the sweeps' v1 (experiments/README.md)
     """v3, the regenerated ShareGPT (train.py's default; the shipped draft adds the domain mix, data/smollm2_domains)"""
-    num_records: int = 0
+    max_len: int = 1024  # the shipped draft's recipe too
     holdout: int = 256
-    max_len: int = 1024
     steps: int = 400
     """the token budget: 400 x 32 conversations (~2 epochs of the 6,316 trained chats; experiments/README.md)"""
     eval_ks: tuple[int, ...] = KS

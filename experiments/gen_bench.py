@@ -23,6 +23,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.cli_options import DataOption, TargetOption  # noqa: E402
 from core.prompts import stop_ids_for  # noqa: E402
 from core.runlog import git_commit, hardware, versions  # noqa: E402
 from data.datasets import load_records  # noqa: E402
@@ -34,11 +35,8 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # datasheet peaks (SXM)
 
 
 @dataclass
-class Args:
-    target: str = "smollm2"
+class Args(DataOption, TargetOption):
     out: str = "experiments/results/gen_bench_h200.jsonl"
-    data: str = "sharegpt-greedy"
-    """where the first user turns come from (messages-style records; default: the packaged ShareGPT prompts)"""
     requests: int = 2048
     """first user turns, each one request (more requests than slots keeps the slots full)"""
     slots: int = 512

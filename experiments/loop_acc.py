@@ -26,6 +26,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import MaxLenOption  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
 
 
@@ -47,8 +48,8 @@ def loop_positions(ids: list[int], mask: list[int]) -> list[int]:
     return out
 
 
-@dataclasses.dataclass
-class Args:
+@dataclasses.dataclass(kw_only=True)  # a required field (draft) and a re-declared one (max_len): core/cli_options.py
+class Args(MaxLenOption):
     draft: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="DRAFT")]
     """a serving dir, run dir or checkpoint (EAGLE-3)"""
     data: str = str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz")
@@ -57,7 +58,7 @@ class Args:
     """records to skip (the draft's training data)"""
     holdout: int = 48
     """held-out chats to evaluate"""
-    max_len: int = 1024
+    max_len: int = 1024  # the shipped draft's training (drafts/smollm2-135m-eagle3/provenance.json)
     out: str = str(ROOT / "experiments/results/useful_draft/loop_acc.jsonl")
 
 

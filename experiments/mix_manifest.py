@@ -15,16 +15,16 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.cli_options import TargetOption  # noqa: E402
 from data.datasets import load_records  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
 from models.target import load_tokenizer, resolve_target  # noqa: E402
 
 
 @dataclass
-class Args:
+class Args(TargetOption):
     sources: tyro.conf.Positional[tuple[str, ...]]
     """JSONL(.gz) files of messages-style records (or directories of them)"""
-    target: str = "smollm2"
     out: str = ""
     """write the manifest JSON here (default: print only)"""
 

@@ -49,6 +49,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, MaxLenOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
 
@@ -838,8 +839,8 @@ def stage_tokenizer(dest: Path):
     print(f"wrote {dest} ({sum(f.stat().st_size for f in dest.iterdir()) / 2**20:.1f} MiB): carry '.stage/tok'")
 
 
-@dataclasses.dataclass
-class Args:
+@dataclasses.dataclass(kw_only=True)  # a required field (phases) and a re-declared one (max_len): core/cli_options.py
+class Args(DataOption, MaxLenOption):
     phases: tyro.conf.Positional[tuple[Literal["tests", "parity", "dp", "disagg", "tp", "all", "stage"], ...]]
     """phases to run (in the order above whatever the order given), 'all', or 'stage' (CPU machine: write .stage/tok)"""
     out: Path | None = None
@@ -854,12 +855,10 @@ class Args:
     batch_per_gpu: int = 4
     """sequences per GPU (8B: ~50 GiB per GPU at --max-len 4096, TTT 7); train.py --batch-size is this times the
     data-parallel ranks"""
-    max_len: int = 4096
+    max_len: int = 4096  # the 8B shape's rows (dp, disagg)
     ttt_length: int = 7
     qwen_layers: int = 24
     """layers of the Qwen3-30B-A3B-shaped target (48 = all; per-layer shapes exact)"""
-    data: str = "sharegpt-greedy"
-    """train.py --data (the packaged chats)"""
     compile: bool = True
     """train.py --compile in every run (never on --cpu-smoke, where compiling takes minutes per run)"""
     train_args: str = ""

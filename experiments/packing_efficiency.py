@@ -20,6 +20,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, NumRecordsOption  # noqa: E402
 from data.datasets import GlobalBatches, build_examples, load_records  # noqa: E402
 from data.packing import TokenBatches, first_fit_decreasing  # noqa: E402
 from models.target import load_tokenizer, resolve_target  # noqa: E402
@@ -60,11 +61,7 @@ def token_budget_efficiency(lengths: list[int], max_len: int, rows: int = 8, see
 
 
 @dataclasses.dataclass
-class Args:
-    data: str = "sharegpt-greedy"
-    """train.py --data"""
-    num_records: int = 0
-    """records read from the data (0 = all)"""
+class Args(NumRecordsOption, DataOption):
     max_len: tuple[int, ...] = (1024, 2048, 4096)
     """row lengths, one set of rows each"""
     batch_size: tuple[int, ...] = (8, 32, 64)

@@ -25,15 +25,14 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
+
 
 @dataclass
-class Args:
-    target: str = "smollm2"
+class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
     data: str = "sharegpt"
     """as train.py --data (the packaged ShareGPT: its order is not sorted by length, unlike sharegpt-greedy's head)"""
-    num_records: int = 24
-    max_len: int = 384
-    """as capture.py --max-len"""
+    num_records: int = 24  # a few batches: both producers in ~8 CPU minutes
     batch_tokens: int = 32768
     """padded tokens per target forward (capture.py --batch-tokens)"""
     producers: tuple[str, ...] = ("hf", "vllm")

@@ -37,6 +37,8 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import NumRecordsOption, TargetOption  # noqa: E402
+
 # v1 (data/sharegpt_smollm2_regen, 2026-11-29): HF generate, sampled, 3,390 chats in 13 GPU minutes
 PRESET_V1 = dict(
     num_records=8000,
@@ -278,11 +280,9 @@ class Prepare:
 
 
 @dataclasses.dataclass
-class Output(Prepare):
+class Output(TargetOption, Prepare):
     out: Path | None = None
     """where the results go (default: --state)"""
-    target: str = "smollm2"
-    """the regenerating model: HF dir, .gguf file, or 'smollm2' (packaged)"""
 
 
 @dataclasses.dataclass
@@ -296,10 +296,10 @@ class Run(Output):
 
 
 @dataclasses.dataclass
-class Bench(Output):
+class Bench(NumRecordsOption, Output):
     """The hf and slots engines side by side on the first --num-records conversations."""
 
-    num_records: int = 512
+    num_records: int = 512  # enough to compare the engines, not the whole prepared set
 
 
 @dataclasses.dataclass

@@ -54,21 +54,21 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, MaxLenOption, NumRecordsOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
 from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
 
 
 @dataclasses.dataclass
-class Args:
+class Args(MaxLenOption, NumRecordsOption, DataOption):
     preset: str = "llama-3.1-8b"
     """the verifier: a models/fast_target.py preset, written with random weights to --work (or a target dir)"""
     tokenizer: str = "smollm2"
     """the tokenizer copied into the random verifier (tools/random_target.py --tokenizer: dir, .gguf, smollm2)"""
-    data: str = "sharegpt-greedy"
-    num_records: int = 500
+    num_records: int = 500  # covers --steps (30) of their packed rows with a margin
     """conversations tokenized (mean ~390 tokens at --max-len 4096: 500 give ~46 of their steps)"""
-    max_len: int = 4096
+    max_len: int = 4096  # the 8B recipe's rows (their --total-seq-len)
     ttt_length: int = 7
     draft_vocab_size: int = 32000
     steps: int = 30

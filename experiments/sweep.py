@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.cli_options import DataOption, DeviceOption, MaxLenOption, NumRecordsOption, TargetOption
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 BENCHMARKS = ("mtbench", "humaneval", "gsm8k")
@@ -66,19 +68,15 @@ COLUMNS = [
 
 
 @dataclass
-class SweepArgs:
-    target: str = "smollm2"
-    """target: HF dir, .gguf file, or 'smollm2' (on the H200: /tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf)"""
+class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, TargetOption):
     data: str = "sharegpt-regen"  # the sweeps' committed rows were trained on v1
     """training data of every setting (data_regen.py sets its own per setting)"""
+    max_len: int = 512  # the committed rows' too (experiments/README.md)
     seeds: tuple[int, ...] = (0, 1)
     only: tuple[str, ...] = ()
     """run only these settings (names as the script lists them)"""
-    num_records: int = 0
-    """records read from the data (0 = all: 3,390 regenerated chats)"""
     steps: int = 200
     batch_size: int = 32
-    max_len: int = 512
     ttt_length: int = 7
     """TTT steps of every setting that does not set its own"""
     lr: float = 3e-3
@@ -101,7 +99,6 @@ class SweepArgs:
     """trainings at once on the one GPU (a SmolLM2-sized run leaves most of an H200 idle); each gets
     OMP_NUM_THREADS = cores / (2 x parallel) unless set, and train_seconds then counts the sharing
     (the row's `parallel` column says how many ran at once)"""
-    device: str = "auto"
     eval_device: str = "cpu"
     """where evaluate.py decodes: cpu (fp32, the CPU machine's numbers) | cuda (fp32 on the GPU, beside the
     trainings: a GPU sweep's evaluations then cost seconds, not CPU-minutes each)"""

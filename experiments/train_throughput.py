@@ -38,19 +38,19 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
 
 
 @dataclasses.dataclass
-class Args:
-    target: str = "llama-3.1-8b"
+class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
+    target: str = "llama-3.1-8b"  # a preset: the harness (throughput.py) runs on presets only
     """a preset of models/fast_target.py PRESETS (random weights, written to --work first) or a target dir/.gguf"""
+    num_records: int = 4000  # more conversations than --steps x --batch-size take
+    max_len: int = 4096  # the 8B recipe's rows (the harness's too)
     tokenizer: str = "smollm2"
     """presets: the tokenizer copied into the random target (tools/random_target.py)"""
-    data: str = "sharegpt-greedy"
-    num_records: int = 4000
-    max_len: int = 4096
     batch_size: int = 32
     """train.py: conversations per step (packed into rows of --max-len)"""
     harness_batch: int = 8

@@ -22,11 +22,12 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.cli_options import TargetOption  # noqa: E402
+
 
 @dataclass
-class Args:
+class Args(TargetOption):
     draft: str = "drafts/smollm2-135m-eagle3"
-    target: str = "smollm2"
     k: tuple[int, ...] = (3,)
     """draft tokens per step for the EAGLE-3 draft (one run each); n-gram lookup uses the first"""
     ngram_max: int = 4

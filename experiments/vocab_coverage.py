@@ -27,17 +27,14 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
+
 
 @dataclasses.dataclass
-class Args:
-    target: str = "smollm2"
-    data: str = "sharegpt-greedy"
-    """the training data whose token counts pick the draft vocabulary"""
-    num_records: int = 0
-    """training records to count (0 = all)"""
+class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
+    max_len: int = 1024  # the shipped draft's training (drafts/smollm2-135m-eagle3/provenance.json)
     holdout: int = 256
     """the last examples train.py holds out (not counted, as in train.py)"""
-    max_len: int = 1024
     sets: tuple[str, ...] = (
         "mtbench",
         "humaneval",
