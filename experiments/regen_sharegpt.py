@@ -87,7 +87,7 @@ def prepare(state: Path, num_records: int, max_turns: int):
 
 
 def run(state: Path, out_dir: Path, target: str, time_limit: float, settings: dict, num_records: int = 0) -> dict:
-    from capture import RegenConfig, regenerate
+    from core.regenerate import RegenConfig, regenerate  # heavy: torch and transformers, only when a run starts
 
     work = state / "regen.jsonl"
     for name in FILES[1:]:  # copies of returned files may be read-only; they are appended to / replaced
@@ -122,7 +122,7 @@ def bench(state: Path, out_dir: Path, target: str, n: int, settings: dict) -> li
     batches of 128) and the slot engine, greedy, back to back on this machine; then the slot
     engine sampled (temperature 0.8, top-p 0.95, as v1): generated tokens/s, agreement of the
     greedy outputs, and how repetitive each setting's replies are (experiments/data_regen.py)."""
-    from capture import RegenConfig, regenerate
+    from core.regenerate import RegenConfig, regenerate  # heavy: torch and transformers, only when a run starts
     from experiments.data_regen import reply_stats
 
     base = {**settings, "max_turns": 1, "num_records": n}
