@@ -115,6 +115,33 @@ def test_project_imports_run_one_way():
     assert library_to_entry(graph) == [], "library modules import entry scripts"
 
 
+# the root scripts another entry script may import: export.py is where the design card puts the engine
+# formats, so evaluate.py, gate.py and experiments read and write serving dirs through it
+SHARED_SCRIPTS = {"export"}
+
+
+def script_to_script(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(entry script, the root script it imports) for every root script outside SHARED_SCRIPTS;
+    experiments/ importing its own helpers (experiments.common, experiments.sweep) is not counted."""
+    root = lambda m: "." not in m and not is_library(m) and m != "tests"  # noqa: E731
+    return sorted(
+        (m, n)
+        for m, deps in graph.items()
+        if not is_library(m) and not m.startswith("tests")
+        for n in deps
+        if root(n) and n not in SHARED_SCRIPTS
+    )
+
+
+def test_scripts_import_no_other_script_but_export():
+    graph = project_graph()
+    assert "export" in graph["evaluate"]  # the parser sees the one allowed script-to-script edge
+    assert script_to_script(graph) == [], "an entry script imports another entry script (not export.py)"
+    assert script_to_script({"experiments.x": {"capture", "export", "experiments.sweep", "core.regenerate"}}) == [
+        ("experiments.x", "capture")
+    ]
+
+
 # the bottom layers (DESIGN.md, "Layers and imports"): package -> the project packages it may import
 BOTTOM = {"data": {"data"}, "kernels": {"kernels"}, "models": {"models", "data", "kernels"}}
 
