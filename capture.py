@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import tyro
 
 from core.capture_io import check_context, check_inputs, check_out
 from core.distributed import all_sum, barrier, destroy, init_distributed, pick_device
@@ -233,8 +234,6 @@ def exit_status(res: dict) -> int:
 
 
 def main():
-    import tyro
-
     cfg = tyro.extras.subcommand_cli_from_dict(
         {"features": FeaturesConfig, "regenerate": RegenConfig, "prompts": PromptsConfig}, description=__doc__
     )

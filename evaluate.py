@@ -21,6 +21,7 @@ hold "prompt", "turns" or "messages". Prompts are rendered with the target's cha
 import hashlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +30,18 @@ from typing import Annotated
 import torch
 import tyro
 
+from core.batched_chain import batched_chain_generate
 from core.distributed import DTYPES
+from core.runlog import git_commit, hardware, output_kind, probe_write, versions
 from core.speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
+from core.vllm_spec import VllmError, run_job
 from data.benchmarks import DATASETS, load_prompts
-from data.chat import render
+from data.chat import DataError, render
 from data.vocab import coverage_rows
+from export import ExportError, export, find_checkpoint, open_draft, target_mismatch, vllm_method
 from models.families import FAMILIES
 from models.proposer import Proposer
-from models.target import eos_ids, target_context
+from models.target import eos_ids, load_tokenizer, resolve_target, target_context
 
 
 def assert_greedy(target: TargetRunner, name: str, prompt: list[int], out: list[int], max_new: int, eos):
@@ -84,8 +89,6 @@ def run_dataset_batched(
 ):
     """run_dataset for a proposer that `batches` (EAGLE-3 chains), `batch` conversations decoded at once
     (core/batched_chain.py); turn t of every conversation in a group runs in one batch."""
-    from core.batched_chain import batched_chain_generate
-
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
         group = list(range(g, min(g + batch, len(convs))))
@@ -117,9 +120,6 @@ def vllm_agreement(
 ) -> dict:
     """Replay our prompts in vLLM (fp32, greedy, K drafts, one prompt at a time) and compare its
     vllm:spec_decode_* counters with ours, per dataset."""
-    from core.vllm_spec import run_job
-    from export import export, find_checkpoint, vllm_method
-
     served = Path(draft_path)
     if not (served / "model.safetensors").exists():
         served = export(
@@ -296,8 +296,6 @@ def check_writable(flag: str, path: Path):
     """A file written after minutes of decoding (--out appended to, --resume-file replaced through a temporary
     beside it) that cannot be is refused now: they were tracebacks at the end (a --resume-file in a directory
     that did not exist lost the decoding). Nothing is created: a probe file in the nearest existing directory."""
-    from core.runlog import probe_write
-
     where = path.parent
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -349,8 +347,6 @@ def check_args(a: EvalArgs):
     kind, _, index = a.device.partition(":")  # --device tpu was a RuntimeError traceback after the models loaded
     if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
         raise SystemExit(f"error: --device must be cpu, cuda or cuda:N, got {a.device!r}")
-    from core.runlog import output_kind
-
     if a.target and (what := output_kind(a.target)):  # was a RuntimeError traceback from transformers
         raise SystemExit(f"error: --target {a.target} is {what}, not a target model (the draft is the first argument)")
 
@@ -358,11 +354,7 @@ def check_args(a: EvalArgs):
 def load_models(a: EvalArgs):
     """The draft (and what its export recorded), the target's directory, model and tokenizer, on a.device in
     a.dtype; every refusal a one-line SystemExit."""
-    from transformers import AutoModelForCausalLM
-
-    from data.chat import DataError
-    from export import ExportError, open_draft, target_mismatch
-    from models.target import load_tokenizer, resolve_target
+    from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s) stays out of evaluate.py --help
 
     dtype = DTYPES[a.dtype]
     try:
@@ -457,10 +449,6 @@ def evaluate_set(a: EvalArgs, ds: str, convs, proposers, target, tok, eos, draft
 
 def replay_in_vllm(a: EvalArgs, replay: dict, target_dir, draft, result: dict) -> None:
     """--vllm: every chain's turns replayed in vLLM; result["vllm"]["chainK"] its agreement per set."""
-    import tempfile
-
-    from core.vllm_spec import VllmError
-
     result["vllm"] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k, turns in replay.items():
@@ -482,9 +470,6 @@ def replay_in_vllm(a: EvalArgs, replay: dict, target_dir, draft, result: dict) -
 
 
 def main(a: EvalArgs) -> dict:
-    from core.runlog import git_commit, hardware, versions
-    from data.chat import DataError
-
     check_args(a)
     try:  # every prompt set read before the models load: a bad file is one line now, not a traceback later
         prompt_sets = {name: load_prompts(name, a.num_prompts) for name in a.data}

@@ -46,22 +46,24 @@ from typing import Literal
 
 import torch
 import tyro
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from core.distributed import DTYPES
-from core.runlog import RUN_FILES, clear_previous_run, os_why, previous_run, write_checkpoint
+from core.runlog import RUN_FILES, clear_previous_run, os_why, output_kind, previous_run, write_checkpoint
+from data.chat import DataError
 from models.engines import ENGINES, ROPE_FIELDS, ExportError
 from models.engines import engine_aux_ids as engine_aux_ids  # re-exported: tools and tests import it from here
 from models.families import FAMILIES, family_of
 from models.families import load_draft as load_family_draft
 from models.family import Family
+from models.target import TargetError, load_tokenizer, resolve_target
 
 
 # ---- training checkpoints ----
 def read_tensors(f: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, or an ExportError naming it (truncated, corrupted, missing) and the intact-looking
     checkpoints beside it."""
-    from safetensors.torch import load_file
-
     try:
         return load_file(f)
     except Exception as e:  # SafetensorError (bad header, short buffer), OSError, ...
@@ -213,8 +215,6 @@ def export(
     if serving and (why := serving.unservable(c)):
         raise ExportError(f"{ckpt}: {why}")
     if target:  # given: a target model, or refused (a wrong path was skipped: no fit check, no tokenizer, recorded)
-        from core.runlog import output_kind
-
         if kind := output_kind(target):
             raise ExportError(f"--target {target} is {kind}, not a target model")
         target = str(resolve_dir(target))
@@ -235,9 +235,6 @@ def export(
         "checkpoint": meta["checkpoint"],
     }
     if tc:  # the tokenizer the draft was trained with, so a target with another one is refused at load
-        from data.chat import DataError
-        from models.target import load_tokenizer
-
         try:
             prov["tokenizer"] = tokenizer_digest(load_tokenizer(Path(target_dir)))
         except DataError:  # a target dir without tokenizer files (tests' random targets): nothing to record
@@ -301,8 +298,6 @@ def check_export_out(out: str | Path, ckpt: Path, overwrite: bool = False):
 
 def _write(out, cfg: dict, sd: dict, provenance: dict) -> Path:
     """out (checked by check_export_out) written through a temporary dir beside it, then swapped in."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     tmp = None
     cfg["nanospec_export"] = {**provenance, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # ignored by the engines
@@ -331,8 +326,6 @@ def vllm_method(family: str) -> tuple[str, dict]:
 
 
 def _target_embeddings(target_dir) -> torch.Tensor:
-    from safetensors import safe_open
-
     if not target_dir:
         raise ExportError("--with-embeddings needs the target dir (the checkpoint names none; pass --target)")
     for f in sorted(Path(target_dir).glob("*.safetensors")):
@@ -402,8 +395,6 @@ def open_draft(path: str | Path) -> tuple[torch.nn.Module, dict]:
 
 
 def resolve_dir(target) -> Path:
-    from models.target import TargetError, resolve_target
-
     try:
         return resolve_target(str(target))
     except (FileNotFoundError, TargetError) as e:

@@ -26,7 +26,12 @@ it fits the target (hidden size, vocabulary, aux layers, tokenizer); without --s
 the prompt. A draft not overfit on that prompt needs a --min-accept of its own (e.g. 0.3).
 """
 
+import contextlib
+import io
 import json
+import math
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -34,6 +39,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tyro
+
+from core import vllm_spec
+from data.chat import DataError, check_template, render, to_messages, tokenize_chat
 
 ROOT = Path(__file__).resolve().parent
 
@@ -130,7 +138,7 @@ def out_problem(out: Path) -> str | None:
     """Why --out cannot take a gate run (None: it can), before anything is written or loaded: a file or an
     unwritable place was a traceback, and another command's output or a folder of other files would have had
     its train/ replaced and its train.jsonl or sample.json overwritten (`--out runs` took runs/train)."""
-    from core.runlog import output_kind, probe_write
+    from core.runlog import output_kind, probe_write  # lazy: imports torch (seconds); gate.py --help runs without it
 
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a directory"
@@ -155,10 +163,7 @@ def check_options(cfg: GateConfig):
     """Option values that cannot work, as InputError before anything loads (-k 0, --max-steps 0 and an unknown
     --strategy were tracebacks after minutes; --export-dtype fp8 or --min-acc 2 trained a draft that could never
     be served or pass)."""
-    import math
-
-    from core.vllm_spec import venv_problem
-    from models.families import FAMILIES
+    from models.families import FAMILIES  # lazy: imports torch (seconds); gate.py --help runs without it
 
     at_least = {"k": 1, "max_steps": 1, "chunk": 1, "scan_records": 1, "max_prompt_tokens": 1}
     at_least |= {"response_tokens": 1, "min_trainable": 0, "max_len": 2, "draft_vocab_size": 1, "vllm_timeout": 1}
@@ -191,11 +196,7 @@ def check_options(cfg: GateConfig):
     if cfg.export_dtype not in ("bf16", "fp16", "fp32"):
         raise InputError(f"--export-dtype must be bf16, fp16 or fp32, got {cfg.export_dtype!r}")
     if cfg.train_args:  # a flag train.py does not take failed stage 2 with tyro's box, after the sample stage
-        import contextlib
-        import io
-        import re
-
-        from core.train_config import TrainConfig
+        from core.train_config import TrainConfig  # lazy: imports torch (seconds); gate.py --help runs without it
 
         box = io.StringIO()
         try:
@@ -205,7 +206,7 @@ def check_options(cfg: GateConfig):
             said = re.sub(r"[│╭╰─╮╯]|-{3,}|For full helptext.*", " ", box.getvalue())
             said = "; ".join(dict.fromkeys(x.strip() for x in said.splitlines() if x.strip()))
             raise InputError(f"--train-args {' '.join(cfg.train_args)!r}: not train.py flags ({said[:300]})") from None
-    if cfg.vllm_venv and (why := venv_problem(vllm_venv(cfg))):  # it was deleted whole before the build
+    if cfg.vllm_venv and (why := vllm_spec.venv_problem(vllm_venv(cfg))):  # it was deleted whole before the build
         raise InputError(f"--vllm-venv: {why}")
     served = [n for n, f in FAMILIES.items() if f.serving and "vllm" in f.serving.engines]
     if cfg.strategy not in served:
@@ -218,7 +219,7 @@ def check_draft_vocab(cfg: GateConfig):
     """--draft-vocab-size past the target's vocabulary, before stage 1: it failed stage 2 with train.py's error line
     after the sample was chosen. A .gguf target (the packaged one too) is converted at stage 1, and train.py checks
     it there."""
-    from models.target import config_int
+    from models.target import config_int  # lazy: imports torch (seconds); gate.py --help runs without it
 
     target = Path(cfg.target)
     if cfg.ckpt or not (target / "config.json").is_file():
@@ -233,7 +234,7 @@ def check_draft_vocab(cfg: GateConfig):
 def check_ckpt(ckpt: Path):
     """--ckpt: a training run or checkpoint, or a serving dir (a file or another command's output was an unclear
     'needs --sample' or export failure after the target loaded)."""
-    from core.runlog import output_kind
+    from core.runlog import output_kind  # lazy: imports torch (seconds); gate.py --help runs without it
 
     what = "give a training run or checkpoint (train.py --out, or its ckpt/step_N) or a serving dir (export.py --out)"
     if not ckpt.exists():
@@ -252,14 +253,13 @@ def check_ckpt(ckpt: Path):
 
 # ---------------------------------------------------------------- stage 1
 def select_sample(cfg: GateConfig, out: Path) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: torch, transformers and what imports them stay out of gate.py --help (seconds)
+    from transformers import AutoModelForCausalLM  # lazy: as torch
 
-    from core.speculative import TargetRunner, speculative_generate
-    from data.chat import DataError, check_template, render, to_messages, tokenize_chat
-    from data.datasets import load_records
-    from models.proposer import Proposer
-    from models.target import eos_ids, load_tokenizer, resolve_target
+    from core.speculative import TargetRunner, speculative_generate  # lazy: imports torch
+    from data.datasets import load_records  # lazy: imports torch
+    from models.proposer import Proposer  # lazy: imports torch
+    from models.target import eos_ids, load_tokenizer, resolve_target  # lazy: imports torch
 
     target_dir = resolve_target(cfg.target)
     tok = load_tokenizer(target_dir)
@@ -335,7 +335,7 @@ def select_sample(cfg: GateConfig, out: Path) -> dict:
 
 # ---------------------------------------------------------------- stage 2
 def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
-    from models.families import FAMILIES
+    from models.families import FAMILIES  # lazy: imports torch (seconds); gate.py --help runs without it
 
     run = out / "train"
     ttt = max(cfg.k, 1)
@@ -377,8 +377,6 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
     base += ["--draft-vocab-size", str(cfg.draft_vocab_size)] if "draft_vocab_size" in reads else []
     base += ["--num-anchors", "1024"] if "num_anchors" in reads else []  # block drafters: a block at every anchor
     if run.exists():
-        import shutil
-
         shutil.rmtree(run)
     step, last = 0, None
     t0 = time.time()
@@ -409,7 +407,7 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
             f"for k < {cfg.k}); "
             f"last: {json.dumps({k: round(v, 4) for k, v in last.items() if k[:4] in ('loss', 'acc_')})}",
         )
-    from export import find_checkpoint
+    from export import find_checkpoint  # lazy: an entry script importing torch (seconds), not for --help
 
     ckpt = find_checkpoint(run)
     return ckpt, {
@@ -421,15 +419,12 @@ def overfit(cfg: GateConfig, out: Path, sample: dict) -> tuple[Path, dict]:
 
 # ---------------------------------------------------------------- stage 3
 def vllm_venv(cfg: GateConfig) -> Path:
-    from core.vllm_spec import DEFAULT_VENV
-
-    return DEFAULT_VENV if not cfg.vllm_venv else ROOT / cfg.vllm_venv  # ROOT / an absolute path: that path
+    return vllm_spec.DEFAULT_VENV if not cfg.vllm_venv else ROOT / cfg.vllm_venv  # ROOT / an absolute path: that path
 
 
 def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_tokens: int, out: Path) -> dict:
-    from core.vllm_spec import VllmError, ensure_venv, run_job
-    from export import ExportError, vllm_method
-    from models.target import target_context
+    from export import ExportError, vllm_method  # lazy: an entry script importing torch (seconds)
+    from models.target import target_context  # lazy: imports torch (seconds); gate.py --help runs without it
 
     venv = vllm_venv(cfg)
 
@@ -449,24 +444,24 @@ def run_vllm(cfg: GateConfig, target: str, draft: Path, prompt: list[int], max_t
         "speculative_extra": extra,
     }
     try:
-        ensure_venv(venv, log)
+        vllm_spec.ensure_venv(venv, log)
         log(
             f"stage 3 vLLM: serving the draft (K={cfg.k}; the engine's start takes minutes on a CPU), "
             f"log {out / 'vllm.log'}"
         )
-        return run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
-    except VllmError as e:
+        return vllm_spec.run_job(job, venv, cfg.vllm_timeout, out / "vllm.log")
+    except vllm_spec.VllmError as e:
         raise GateFailure("serve", str(e)) from None
 
 
 def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: torch, transformers and what imports them stay out of gate.py --help (seconds)
+    from transformers import AutoModelForCausalLM  # lazy: as torch
 
-    from core.speculative import TargetRunner, proposer_for, speculative_generate
-    from export import ExportError, export, load_exported, target_mismatch
-    from models.proposer import Proposer
-    from models.target import load_tokenizer
+    from core.speculative import TargetRunner, proposer_for, speculative_generate  # lazy: imports torch
+    from export import ExportError, export, load_exported, target_mismatch  # lazy: an entry script importing torch
+    from models.proposer import Proposer  # lazy: imports torch
+    from models.target import load_tokenizer  # lazy: imports torch
 
     shipped = (ckpt / "model.safetensors").exists()  # a serving dir: served as it is
     serving = ckpt if shipped else out / "export-vllm"
@@ -537,8 +532,7 @@ def serve_check(cfg: GateConfig, out: Path, sample: dict, ckpt: Path) -> dict:
 
 
 def main(cfg: GateConfig) -> int:
-    from core.runlog import output_kind
-    from data.chat import DataError  # TargetError too: a broken target dir or file
+    from core.runlog import output_kind  # lazy: imports torch (seconds); gate.py --help runs without it
 
     out = Path(cfg.out)
     if why := out_problem(out):  # nowhere to write gate.json either: the line alone
@@ -575,6 +569,7 @@ def main(cfg: GateConfig) -> int:
         print(f"GATE FAILED at {e.stage}: {e.why}", file=sys.stderr, flush=True)
         return 1
     except (InputError, DataError, FileNotFoundError) as e:  # the gate never judged a draft: no verdict
+        # (DataError: TargetError too, a broken target dir or file)
         report.update(passed=False, failed_stage="input", reason=str(e), seconds=round(time.time() - t0, 1))
         (out / "gate.json").write_text(json.dumps(report, indent=1))
         print(f"error: {e}", file=sys.stderr, flush=True)

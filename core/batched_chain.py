@@ -34,7 +34,7 @@ class _Target:
     """An HF causal LM over a slot cache: forward(ids [B, T], positions [B, T], new_valid [B, T])."""
 
     def __init__(self, model, aux_layers):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # lazy: transformers (~1.5 s) stays out of evaluate.py --help
 
         self.model, self.aux_layers, self.kw = model, aux_layers, cache_kwarg(model)
         self.cache = DynamicCache(config=model.config)

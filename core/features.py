@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from data.datasets import collate
 from data.feature_store import FeatureStore, StoredExample, StoreError, open_feature_store
@@ -70,7 +71,7 @@ def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
     """--backend auto -> (backend, why the compiled one is not taken on this GPU, or None)."""
     if kind != "cuda":
         return "hf", None
-    from models.fast_target import TargetConfig
+    from models.fast_target import TargetConfig  # lazy: fast_target imports flex attention and dynamo (seconds)
 
     try:
         TargetConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
@@ -172,8 +173,6 @@ def read_hidden(files: list[Path], prompts: list[list[int]]) -> list[torch.Tenso
     """The connector's files (core/vllm_features.py), one per prompt: hidden states
     [n, len(layer ids), H] each; the files and their lock files are deleted. A file whose
     token ids are not its prompt's is an error (a mix-up must not become training data)."""
-    from safetensors.torch import load_file
-
     out = []
     for f, p in zip(files, prompts, strict=True):
         lock = Path(f"{f}.lock")

@@ -75,7 +75,7 @@ class MuonAdamW(torch.optim.Optimizer):
         buf.mul_(mu).add_(g)
         u = g.add(buf, alpha=mu)
         if hasattr(u, "full_tensor"):  # DTensor (FSDP2): orthogonalise the whole matrix, keep this shard
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import distribute_tensor  # torchrun only: DTensors exist under FSDP2
 
             o = distribute_tensor(newton_schulz(u.full_tensor()), u.device_mesh, u.placements)
         else:

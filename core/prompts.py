@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -28,6 +29,7 @@ from core.regenerate import (
     write_json,
 )
 from core.runlog import git_commit, hardware, versions
+from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized, query_prefix
 from models.target import eos_ids, fingerprint, load_tokenizer, resolve_target
 
 
@@ -140,8 +142,6 @@ def _prompts_settings(cfg: PromptsConfig, target_dir: Path, engine: str, dtype: 
 def _drop_reason_for(cfg: PromptsConfig, tokenizer, kept: list[dict]):
     """drop_reason(text, ids, hit) -> None (keep) or why a new prompt is dropped; it remembers the prompts kept
     (those of earlier runs too) to drop repeats."""
-    from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, normalized
-
     seen = {normalized(r["messages"][0]["content"]) for r in kept}
     guard = BenchmarkGuard(benchmark_prompts())
     special = [t for t in tokenizer.all_special_tokens if t]
@@ -159,7 +159,7 @@ def _starts(cfg: PromptsConfig, tokenizer, prefix: list[int]) -> tuple[list[str]
 
 def _slot_generator(model, cfg: PromptsConfig, max_start: int, eos: list[int]):
     """--engine slots: a SlotGenerator of --batch-size slots (one batch at a time)."""
-    from models.generate import Sampling, SlotGenerator
+    from models.generate import Sampling, SlotGenerator  # lazy: flex attention and dynamo (seconds), --engine slots
 
     return SlotGenerator(
         model,
@@ -310,8 +310,6 @@ def _run_batches(r: _PromptsRun, sample, judge):
 
 
 def write_prompts(cfg: PromptsConfig) -> dict:
-    from data.selfinstruct import query_prefix
-
     check_prompts(cfg)
     check_inputs(cfg.target)
     check_out(Path(cfg.out), is_dir=False)
@@ -349,6 +347,4 @@ def write_prompts(cfg: PromptsConfig) -> dict:
 
 def stop_ids_for(target_dir: Path, tokenizer) -> list[int]:
     """models.target.eos_ids without loading a model: the directory's generation config and the tokenizer's EOS."""
-    from types import SimpleNamespace
-
     return eos_ids(SimpleNamespace(path=str(target_dir)), tokenizer)

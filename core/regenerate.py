@@ -135,7 +135,7 @@ def generate_batch(
 ) -> list[tuple[list[int], bool]]:
     """Left-padded batch generation. Returns per prompt (new token ids before the first stop
     token, whether max_new_tokens was hit without a stop token)."""
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import GenerationConfig, StoppingCriteriaList  # lazy: transformers (~1.5 s to import)
 
     eos = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -330,7 +330,7 @@ def load_target_model(engine: str, target_dir: Path, dtype: torch.dtype, device:
         from models.fast_target import FastTarget  # (deferred: see pick_engine)
 
         return FastTarget.from_pretrained(target_dir, dtype=dtype, device=device)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
     return AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
 

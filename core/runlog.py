@@ -3,19 +3,24 @@ TensorBoard scalars, and the checkpoint directory layout (write_checkpoint). Onl
 
 import dataclasses
 import errno
+import importlib.metadata as md
 import json
 import math
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from core.distributed import all_sum
 
@@ -81,8 +86,6 @@ def hardware(device) -> dict:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for pkg in ("torch", "triton", "transformers", "datasets", "safetensors", "tyro"):
         try:
@@ -95,8 +98,6 @@ def versions() -> dict:
 def peak_memory() -> dict:
     """Peak memory of this process so far: the CUDA caching allocator's max allocated bytes (when
     CUDA was used) and the peak resident set size (host)."""
-    import resource
-
     out = {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
@@ -143,7 +144,7 @@ class RunLog:
         self.meta = {**meta, "status": "running"}
         self._write()
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: no tensorboard, no tb/ (and ~0.3 s)
 
             # purge_step: events at steps >= it, written before a kill, are hidden from TensorBoard
             purge = resume_step + 1 if resume and resume_step is not None else None
@@ -333,8 +334,6 @@ def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None
     extra(tmp) writes (train.py: train_state.pt), renamed to ck/<name> when complete (a checkpoint
     directory is complete or absent), then ck/latest replaced atomically. A failed write removes the
     partial directory and latest.tmp, leaves earlier checkpoints as they were, and re-raises."""
-    from safetensors.torch import save_file
-
     d, latest_tmp = ck / name, ck / "latest.tmp"
     tmp = d.with_name(d.name + ".tmp")
     try:
@@ -358,7 +357,7 @@ def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far: a number that keeps growing after
     warm-up means recompiles (a new shape every step), the usual cause of a run that crawls."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # lazy: torch._dynamo takes seconds to import (capture.py loads none)
 
     return int(counters["stats"]["unique_graphs"])
 
@@ -372,8 +371,6 @@ class Heartbeat:
     innermost frames): what it is waiting on, without a debugger."""
 
     def __init__(self, after: float, say=print, frames: int = 8):
-        import threading
-
         self.after, self.say, self.frames = after, say, frames
         self.owner = threading.get_ident()
         self.last = self.said = time.monotonic()
@@ -399,9 +396,6 @@ class Heartbeat:
                 )
 
     def where(self) -> str:
-        import sys
-        import traceback
-
         frame = sys._current_frames().get(self.owner)
         if frame is None:
             return ""

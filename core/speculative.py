@@ -128,7 +128,7 @@ class TargetRunner:
     the aux hidden states (outputs of `aux_layers`, HF hidden_states[i + 1]) of every row."""
 
     def __init__(self, model, aux_layers: list[int] | None = None):
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # lazy: transformers (~1.5 s) stays out of evaluate.py --help
 
         self.model, self.aux_layers = model.eval(), list(aux_layers or [])
         self._new_cache = lambda: DynamicCache(config=model.config)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from tqdm import tqdm
 
 from core.disagg.roles import consumer_target
 from core.distributed import all_min, all_sum, barrier, init_distributed
@@ -106,7 +109,7 @@ class Trainer:
                     f"--tp {cfg.tp} must divide the number of ranks ({self.world}) and needs --backend compiled "
                     "with an online target (no --features, no disaggregated roles)"
                 )
-            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.device_mesh import init_device_mesh  # torchrun only: --tp > 1
 
             mesh = init_device_mesh(kind, (self.world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
             self.tp_mesh, self.dp_rank, self.dp_size = mesh["tp"], mesh.get_local_rank("dp"), mesh.size(0)
@@ -227,8 +230,6 @@ class Trainer:
         """`it` with a progress bar on rank 0 (--progress), for the minutes before training's own bar."""
         if not (self.cfg.progress and self.rank == 0):
             return it
-        from tqdm import tqdm
-
         return tqdm(it, desc=desc, total=total, dynamic_ncols=True, leave=False)
 
     def _load_data(self):
@@ -275,8 +276,6 @@ class Trainer:
 
     def _init_from(self, draft, d: Path):
         """Load --init-draft's tensors (its d2t/t2d too) into the freshly built draft, refusing another config."""
-        from safetensors.torch import load_file
-
         if not (d / "draft.safetensors").exists():
             found = checkpoints(d)
             if not found:
@@ -320,7 +319,7 @@ class Trainer:
         draft.to(self.device)
         self.print(f"[draft] {cfg.strategy}: {param_count(draft) / 1e6:.1f}M params{vocab}")
         if self.world > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # torchrun only: world > 1
 
             mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
             # ZeRO-2 style: parameters stay gathered between forward and backward
@@ -442,8 +441,6 @@ class Trainer:
 
     # ---- checkpoints ----
     def save(self, step: int):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
         rng = {
@@ -495,9 +492,6 @@ class Trainer:
     def load(self) -> int:
         """Restore the latest checkpoint; if its files are damaged (truncated, corrupted), the newest intact
         earlier one, saying so."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
         found = checkpoints(self.out)
         if not found:
             raise CheckpointError(f"--resume: no checkpoint in {self.out / 'ckpt'}")
@@ -629,8 +623,6 @@ class Trainer:
             self.log.write({"step": 0, "split": "eval", **results["eval_start"]})
         bar = None
         if cfg.progress and self.rank == 0:
-            from tqdm import tqdm
-
             bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
         t0 = time.time()
         speed = self.throughput()

@@ -27,6 +27,7 @@ The caller reads the files (features.read_hidden) and deletes them.
 
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tempfile
@@ -98,8 +99,6 @@ class FeatureWorker:
         self.info = self._reply(start_timeout)
 
     def _reply(self, timeout: float) -> dict:
-        import selectors
-
         sel = selectors.DefaultSelector()
         sel.register(self._replies, selectors.EVENT_READ)
         if not sel.select(timeout):
@@ -137,12 +136,12 @@ def vllm_target(spec, aux_layers=None, dtype=None, device="cpu", max_len: int = 
     """features.VllmTarget for --backend vllm (the nanospec side; imports torch): the target's
     embeddings, lm_head and final norm, and an engine asked for the aux layers' outputs plus the last
     layer's (vLLM id L = HF hidden_states[L], before the final norm, which VllmTarget applies)."""
-    import torch
-    from transformers import AutoConfig
+    import torch  # lazy: the module stays stdlib-only, as it also runs in vLLM's venv
+    from transformers import AutoConfig  # lazy: as torch
 
-    from core.features import VllmTarget
-    from models.engines import engine_aux_ids  # every engine's layer ids are converted there
-    from models.target import default_aux_layers, load_heads, resolve_target
+    from core.features import VllmTarget  # lazy: as torch
+    from models.engines import engine_aux_ids  # lazy: as torch (every engine's layer ids are converted there)
+    from models.target import default_aux_layers, load_heads, resolve_target  # lazy: as torch
 
     dtype = dtype or torch.float32
     path = resolve_target(str(spec))
@@ -172,9 +171,9 @@ def main(job_path: str, reply_fd: str):
         replies.flush()
 
     try:
-        import torch
-        from vllm import LLM, SamplingParams, __version__
-        from vllm.inputs import TokensPrompt
+        import torch  # runs in vLLM's venv; the module stays stdlib-only at import
+        from vllm import LLM, SamplingParams, __version__  # runs in vLLM's venv: only there
+        from vllm.inputs import TokensPrompt  # runs in vLLM's venv: only there
 
         # the stock connector copies through CUDA streams into pinned memory: right on a GPU, fails on the CPU build
         connector = (

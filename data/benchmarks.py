@@ -6,13 +6,15 @@ import gzip
 import json
 from pathlib import Path
 
+from data.assets import asset_path
+from data.chat import DataError
+from data.datasets import json_object_line, text_lines
+
 DATASETS = ("mtbench", "humaneval", "gsm8k")
 
 
 def load_prompts(name: str, n: int) -> list[list[str]]:
     """A dataset -> up to n conversations, each a list of user turns."""
-    from data.assets import asset_path
-
     if name == "mtbench":
         rows = [json.loads(x) for x in open(asset_path("mtbench"))]
         turns = [r["turns"] for r in rows]
@@ -29,9 +31,6 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
 def read_prompt_file(name: str) -> list[list[str]]:
     """A JSONL file of prompts, one conversation per line: {"prompt": str}, {"turns": [str, ...]} or
     {"messages": [{"role", "content"}, ...]} (its user turns). Anything else is a DataError naming the line."""
-    from data.chat import DataError
-    from data.datasets import json_object_line, text_lines
-
     path = Path(name)
     if not path.is_file():
         raise DataError(

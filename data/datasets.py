@@ -2,8 +2,11 @@
 tokenization into Examples, a held-out split, and deterministic global batches.
 """
 
+import gzip
 import json
+import multiprocessing as mp
 import os
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -50,9 +53,6 @@ def text_lines(path: Path):
     """(line number, line) of a text file, decompressing .gz: a byte that is not UTF-8 or a gzip stream that
     is cut off or damaged is a DataError naming the file and line (they were a UnicodeDecodeError or an
     EOFError from deep inside the reader). Each line is decoded alone so that the line number is exact."""
-    import gzip
-    import zlib
-
     lineno = 0
     try:
         with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
@@ -178,7 +178,7 @@ def load_records(source: str, limit: int | None = None) -> list[dict]:
         raise DataError(f"{path} mixes JSON and Parquet files; put them in separate directories")
     if all(f.name.lower().endswith((".jsonl", ".jsonl.gz")) for f in files):
         return read_jsonl(files, limit)
-    import datasets
+    import datasets  # optional: Hugging Face datasets (slow import, not on the GPU box), for JSON / Parquet only
 
     datasets.disable_progress_bars()
     kind = kinds.pop()
@@ -241,8 +241,6 @@ def build_examples(
     stats = Counter() if stats is None else stats
     workers = tokenize_workers(len(records)) if workers is None else workers
     if workers > 1:
-        import multiprocessing as mp
-
         records = list(records)
         step = -(-len(records) // (4 * workers))  # 4 chunks a worker: the slow chats even out
         jobs = [(i, records[i : i + step]) for i in range(0, len(records), step)]

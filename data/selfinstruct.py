@@ -14,7 +14,9 @@ run of 8 words with any MT-Bench, HumanEval or GSM8K prompt (or equal to one) is
 
 import re
 
+from data.benchmarks import DATASETS, load_prompts
 from data.chat import DataError
+from data.loops import loop_cut
 
 MARK = "\x00QUERY\x00"  # stands for the user's text while the template is rendered
 NGRAM = 8  # words in a run shared with a benchmark prompt that drop a written prompt
@@ -60,8 +62,6 @@ class BenchmarkGuard:
 
 def benchmark_prompts() -> list[str]:
     """Every user turn of the packaged benchmarks the drafts are evaluated on (data/benchmarks.py)."""
-    from data.benchmarks import DATASETS, load_prompts
-
     return [t for name in DATASETS for conv in load_prompts(name, 0) for t in conv]
 
 
@@ -71,8 +71,6 @@ def drop_reason(
     """Why a written prompt is not kept (None: kept). text: its decoded text (special tokens left
     in), ids: its token ids, hit_cap: it ran to the token cap without ending its turn, seen: the
     normalized prompts kept so far (this one is added when kept)."""
-    from data.loops import loop_cut
-
     if hit_cap:
         return "no_end_of_turn"
     if any(s in text for s in special):

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from kernels.masks import create_block_mask, document_mask, flex_attention_compiled, flex_attention_eager, mask_grid
@@ -56,7 +57,7 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from models.target import Features, default_aux_layers
+from models.target import Features, default_aux_layers, resolve_target
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -212,7 +213,7 @@ class TargetConfig:
 
     def to_hf(self):
         """The transformers config of the same model (to build the HF reference)."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # lazy: transformers (~1.5 s), only for the HF reference
 
         d = dict(self.hf) or {k: v for k, v in asdict(self).items() if k != "hf"}
         return AutoConfig.for_model(**d)
@@ -457,10 +458,6 @@ class FastTarget(nn.Module):
     def from_pretrained(cls, spec, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True):
         """An HF directory (or anything models.target.resolve_target takes): safetensors are
         memory-mapped and streamed tensor by tensor to `device`, then assigned (no init)."""
-        from safetensors import safe_open
-
-        from models.target import resolve_target
-
         path = resolve_target(str(spec))
         config = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
         with torch.device("meta"):

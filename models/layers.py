@@ -105,8 +105,8 @@ def rope_inv_freq(c) -> tuple[torch.Tensor, float]:
     rope, D = c.rope_parameters, c.head_dim
     kind = rope.get("rope_type", "default")
     if kind not in LOCAL_ROPE:
-        from transformers import LlamaConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        from transformers import LlamaConfig  # lazy: transformers (~1.5 s), only for a rope type not written out
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: as above
 
         hf = LlamaConfig(
             hidden_size=c.hidden_size,

@@ -8,6 +8,7 @@ default is [1, L//2 - 1, L - 4]. The final hidden state is after the model's fin
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from data.assets import CACHE_DIR, asset_path
@@ -59,11 +61,11 @@ def check_config(path: Path) -> dict:
             '(a Hugging Face causal-LM config.json names it, e.g. "model_type": "llama")'
         )
     try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # lazy: transformers (~1.5 s)
     except ImportError:
         return cfg
     if model_type not in CONFIG_MAPPING_NAMES:
-        import transformers
+        import transformers  # lazy: transformers (~1.5 s), loaded by now
 
         raise TargetError(
             f"{file}: model_type {model_type!r} is not known to transformers {transformers.__version__} "
@@ -135,7 +137,7 @@ def eos_ids(model, tokenizer) -> list[int]:
     generation_config.json in `model.path`, a compiled target's directory) and the tokenizer's, in that order."""
     gc = getattr(model, "generation_config", None)
     if gc is None:
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # lazy: transformers (~1.5 s to import)
 
         path = getattr(model, "path", None)
         found = path is not None and (Path(path) / "generation_config.json").exists()
@@ -168,7 +170,7 @@ def gguf_parsed_once():
     from `gguf` at call time, so swapping the module's attributes reaches it; the readers are read-only memory maps,
     the maps are looked up and never changed."""
     try:
-        import gguf as gg
+        import gguf as gg  # optional: only a .gguf target needs it
     except ImportError:  # transformers says what to install when it needs it
         yield
         return
@@ -214,14 +216,14 @@ def resolve_target(spec: str) -> Path:
     out = CACHE_DIR / "targets" / f"{gguf.stem}-{gguf.stat().st_size}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers (~1.5 s to import)
 
     print(f"[target] converting {gguf.name} to safetensors in {out} (one time, ~20 s)", flush=True)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     kw = {}
     try:  # newer transformers keep GGUF blocks packed unless asked to unpack them
-        from transformers import GgufConfig
+        from transformers import GgufConfig  # optional: only newer transformers have it
 
         kw["quantization_config"] = GgufConfig(gguf_file=gguf.name, dequantize=True)
     except ImportError:
@@ -249,7 +251,7 @@ def resolve_target(spec: str) -> Path:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~1.5 s to import)
 
     try:
         return AutoTokenizer.from_pretrained(path)
@@ -281,7 +283,7 @@ class Target(nn.Module):
 
     @classmethod
     def load(cls, spec: str | Path, aux_layers=None, dtype=torch.float32, device="cpu") -> "Target":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
         path = resolve_target(str(spec))
         model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype).to(device)
@@ -351,8 +353,6 @@ def packed_attention_mask(doc_ids: torch.Tensor, dtype, attn_implementation: str
 def fingerprint(path: Path) -> str:
     """Identity of a target directory: config.json plus the size and the first and last MiB of
     every weight file (cheap; tells apart fine-tunes of one architecture)."""
-    import hashlib
-
     path = Path(path)
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
@@ -392,8 +392,7 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu", norm: bool =
     names), then only those tensors are read from the safetensors files. Falls back to loading
     the whole model when the checkpoint names differ from the module names or the modules hold
     buffers."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
     path = resolve_target(str(spec))
     config = _from_pretrained(AutoConfig, path)

@@ -14,7 +14,7 @@ TINY_TRAIN = (
 
 def tiny_llama(vocab=96, hidden=32, layers=5, heads=4, kv_heads=2, seed=0, **kw):
     """A transformers LlamaForCausalLM with random weights (seeded), in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: TINY_TRAIN's readers need no transformers (~1.5 s)
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load, save
 
 from data.feature_store import DTYPES, FeatureStore, SampleRef, StoreError, _canon, _diff
 
@@ -31,7 +32,7 @@ HOLDER_BYTES = 1 << 30  # the launcher's segment: features in flight live here (
 
 
 def _client(master: str, segment_bytes: int = 0):
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore  # optional: mooncake only for --store mooncake://
 
     host = master.split(":")[0]
     local = "127.0.0.1" if host in ("127.0.0.1", "localhost") else socket.gethostbyname(socket.gethostname())
@@ -61,8 +62,6 @@ class MooncakeFeatureStore:
         )  # the last shard read: a step reads several of its samples
 
     def put(self, key: str, tensors: dict, meta: dict | None = None, samples=None):
-        from safetensors.torch import save
-
         header = {
             "schema": self.schema,
             "writer": f"{socket.gethostname()}-{os.getpid()}",
@@ -78,8 +77,6 @@ class MooncakeFeatureStore:
             raise StoreError(f"mooncake put {key} ({len(blob)} bytes) failed with {rc} (is the holder's segment full?)")
 
     def get(self, key: str) -> tuple[dict, dict]:
-        from safetensors.torch import load
-
         with self._lock:
             if self._cache[0] == key:
                 return self._cache[1]
@@ -117,7 +114,7 @@ def _free_port() -> int:
 def start_master(root: Path):
     """A master on a free loopback port and a segment held by this (the launcher's) process.
     Returns (the master process, the store spec)."""
-    import mooncake
+    import mooncake  # optional: mooncake only for --store mooncake://
 
     exe = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
     port, metrics = _free_port(), _free_port()
