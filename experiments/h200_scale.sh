@@ -33,7 +33,7 @@ mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's 
   cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
   cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/v3_data/v3_sharegpt.jsonl.gz
   cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
-  for f in $W/mix/a_*.jsonl; do [[ $f == *.dropped.jsonl ]] || cp -n $f $W/mix_data/si_${f#$W/mix/a_}; done
+  for f in $W/mix/a_*.jsonl; do [[ -f $f && $f != *.dropped.jsonl ]] && cp -n $f $W/mix_data/si_${f#$W/mix/a_}; done
   ls -la $W/mix_data > $OUT/mix_files.txt
 }
 parts() { local f=$1; if (($(stat -c %s "$f") > 15000000)); then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi; }
@@ -58,8 +58,10 @@ case $PHASE in
       --requests 8192 --modes ${BENCH_MODES:-graphs flex} --time-limit ${BENCH_S:-20} --profile ${PROFILE:-2} \
       > $OUT/gen_bench.log 2>&1
     grep '^{' $OUT/gen_bench.log | cut -c1-330
-    [[ -n ${BENCH_TEST:-} ]] && (($(left) > 60)) && timeout $(($(left) - 10)) python3 -m pytest -q -p no:cacheprovider tests/test_generate.py \
-      > $OUT/cuda_tests_generate.txt 2>&1; tail -2 $OUT/cuda_tests_generate.txt ;;
+    if [[ -n ${BENCH_TEST:-} ]] && (($(left) > 60)); then
+      timeout $(($(left) - 10)) python3 -m pytest -q -p no:cacheprovider tests/test_generate.py > $OUT/cuda_tests_generate.txt 2>&1
+      tail -2 $OUT/cuda_tests_generate.txt
+    fi ;;
   gen)
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
     jobs=()

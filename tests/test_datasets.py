@@ -6,6 +6,7 @@ import pytest
 
 from data.chat import DataError
 from data.datasets import GlobalBatches, build_examples, load_records, read_truncated_json_array
+from data.selfinstruct import BenchmarkGuard, benchmark_prompts
 
 
 def test_truncated_json_array_recovers_complete_records(tmp_path):
@@ -208,11 +209,6 @@ def test_committed_self_instruct_prompts_share_no_8_words_with_a_benchmark():
     """Every prompt the target wrote and the repository keeps for training (data/smollm2_domains,
     data/smollm2_selfinstruct) passed the benchmark guard when it was written; this reads them back
     against it, so a file added by hand or by another generator cannot carry a benchmark prompt in."""
-    import gzip
-    import json
-
-    from data.selfinstruct import BenchmarkGuard, benchmark_prompts
-
     guard = BenchmarkGuard(benchmark_prompts())
     root = Path(__file__).resolve().parents[1] / "data"
     files = sorted(root.glob("smollm2_domains/prompts_*.jsonl.gz")) + [root / "smollm2_selfinstruct/prompts.jsonl.gz"]
