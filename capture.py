@@ -41,6 +41,7 @@ import torch
 import tyro
 
 from core.capture_io import check_context, check_inputs, check_out
+from core.cli_options import DataOption, DeviceOption, DtypeOption, MaxLenOption, NumRecordsOption, TargetOption
 from core.distributed import all_sum, barrier, destroy, init_distributed, pick_device
 from core.features import BACKENDS, capture_examples, load_target, target_identity
 from core.prompts import PromptsConfig, write_prompts
@@ -48,9 +49,9 @@ from core.regenerate import RegenConfig, regenerate
 from core.runlog import output_kind, run_metadata
 from core.vllm_features import vllm_target
 from data.chat import DataError
-from data.datasets import DEFAULT_DATA, build_examples, load_records
+from data.datasets import build_examples, load_records
 from data.feature_store import FeatureStore, StoreError, feature_schema, plan_shards, tokens_digest
-from models.target import DEFAULT_TARGET, load_tokenizer, resolve_target
+from models.target import load_tokenizer, resolve_target
 
 EXIT_STOPPED = 75  # stopped unfinished by --time-limit: rerun to resume (train.py's code for the same)
 EXIT_INTERRUPTED = 130
@@ -58,24 +59,17 @@ EXIT_INTERRUPTED = 130
 
 # ====================================================================== features
 @dataclass
-class FeaturesConfig:
+class FeaturesConfig(DeviceOption, DtypeOption, MaxLenOption, NumRecordsOption, DataOption, TargetOption):
     """The target's features of --data into a FeatureStore for `train.py --features`. Exit 0 when the store is
-    complete, 75 when --time-limit stopped it first (rerun to resume), 1 on an error."""
+    complete, 75 when --time-limit stopped it first (rerun to resume), 1 on an error. --target, --data,
+    --num-records, --max-len, --dtype and --device mean what they mean to train.py (--dtype: the target runs and
+    the features are stored in it)."""
 
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
-    data: str = DEFAULT_DATA
-    """as train.py --data"""
-    num_records: int = 1200
-    """as train.py --num-records (0 = all)"""
-    max_len: int = 384
-    """as train.py --max-len"""
+    num_records: int = 1200  # train.py's default: a store for a default run holds its records
     aux_layers: tuple[int, ...] = ()
     """as train.py --aux-layers (default [1, L//2-1, L-4])"""
     out: str = "runs/features"
     """FeatureStore directory (local or shared by several nodes)"""
-    dtype: str = "auto"
-    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32: the target runs and features are stored in it"""
     shard_mb: int = 256
     """approximate shard size"""
     batch_tokens: int = 32768
@@ -86,7 +80,6 @@ class FeaturesConfig:
     backend: str = "hf"
     """target forward: hf (transformers; the reference) | compiled (models/fast_target.py) | vllm (a vLLM engine in
     its own venv, NANOSPEC_VLLM_VENV or .venv-vllm, created when missing; core/vllm_features.py)"""
-    device: str = "auto"
 
 
 def check_store_out(out: Path):

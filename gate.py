@@ -41,6 +41,7 @@ from pathlib import Path
 import tyro
 
 from core import vllm_spec
+from core.cli_options import DataOption, MaxLenOption, StrategyOption, TargetOption
 from data.chat import DataError, check_template, render, to_messages, tokenize_chat
 
 ROOT = Path(__file__).resolve().parent
@@ -75,16 +76,15 @@ class GateFailure(Exception):
 
 
 @dataclass
-class GateConfig:
+class GateConfig(MaxLenOption, DataOption, TargetOption, StrategyOption):
+    """Train-serve consistency gate: overfit a draft on one sample, serve it in vLLM, require near-perfect
+    acceptance and the target's greedy text (stages: gate.py's docstring). vLLM serves --strategy eagle3 (and
+    EAGLE-3.1), peagle and dflash (README, 'Draft families')."""
+
     out: str = "runs/gate"
-    strategy: str = "eagle3"
-    """draft family (train.py --strategy); vLLM serves eagle3 (and EAGLE-3.1), peagle, dflash
-    (README, 'Draft families')"""
     train_args: tuple[str, ...] = ()
     """more train.py flags for the overfit run, e.g. --fc-norm --norm-output (EAGLE-3.1)"""
-    target: str = "smollm2"
-    """HF dir, .gguf or 'smollm2'"""
-    data: str = "sharegpt"
+    data: str = "sharegpt"  # the original answers: a prompt the packaged drafts' training data did not answer
     """where the prompt comes from ('sharegpt' or a ShareGPT/messages JSON/JSONL)"""
     scan_records: int = 64
     """records scanned for a valid prompt"""
@@ -93,7 +93,7 @@ class GateConfig:
     """greedy tokens served (the sample's assistant turn holds a few more, see stage 1)"""
     min_trainable: int = 24
     """fewest trained tokens (loss mask, past the first two) a sample must have"""
-    max_len: int = 256
+    max_len: int = 256  # one short sample
     k: int = 3
     """num_speculative_tokens served"""
     # stage 2

@@ -59,7 +59,7 @@ class PromptsConfig(GenerationOptions):
 
     max_new_tokens: int = 256
     """a prompt that has not ended its turn by then is dropped (no_end_of_turn)"""
-    temperature: float = 1.0
+    temperature: float = 1.0  # varied prompts need sampling (greedy writes one prompt per prefix)
     out: str = "runs/prompts/selfinstruct.jsonl"
     num_prompts: int = 1000
     """stop once at least this many prompts are kept (whole batches: the last one may add more)"""

@@ -16,35 +16,26 @@ from pathlib import Path
 import torch
 
 from core.capture_io import append_rows, check_context, check_inputs, check_out, provenance, read_jsonl_repair, sidecars
+from core.cli_options import DataOption, DeviceOption, DtypeOption, NumRecordsOption, SamplingOptions, TargetOption
 from core.distributed import pick_device
 from core.runlog import git_commit, hardware, versions
 from data.chat import DataError, to_messages
 from data.datasets import SHAREGPT, load_records
-from models.target import DEFAULT_TARGET, eos_ids, fingerprint, load_tokenizer, resolve_target, target_context
+from models.target import eos_ids, fingerprint, load_tokenizer, resolve_target, target_context
 
 
 # ====================================================================== the options both commands share
 @dataclass
-class GenerationOptions:
+class GenerationOptions(DeviceOption, DtypeOption, SamplingOptions, TargetOption):
     """What the target generates with and where: capture.py regenerate (RegenConfig) and prompts
-    (core/prompts.PromptsConfig) take these flags alike."""
+    (core/prompts.PromptsConfig) take these flags alike (--target, the sampling options, --dtype and --device are
+    core/cli_options.py's groups)."""
 
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2'"""
     max_new_tokens: int = 512
-    temperature: float = 0.0
-    """0 = greedy"""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 = off"""
-    seed: int = 0
     engine: str = "auto"
     """slots: continuous batching on the compiled target's layers (models/generate.py; Llama / Qwen
     families) | hf: transformers' generate over batches | auto: slots on a GPU when the architecture is
     supported, else hf"""
-    dtype: str = "auto"
-    """auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"""
-    device: str = "auto"
     time_limit: float = 0
     """seconds since start; stop cleanly there (prompts: before a batch that would pass it; regenerate: the
     unfinished batch is discarded); rerun to resume; exit 75 when it stops so (0 = none)"""
@@ -52,17 +43,15 @@ class GenerationOptions:
 
 # ====================================================================== regenerate
 @dataclass
-class RegenConfig(GenerationOptions):
+class RegenConfig(NumRecordsOption, DataOption, GenerationOptions):
     """The target writes new assistant turns for --data's conversations. Exit 0 when every conversation is done
     (or --max-output-mb stopped it, as asked), 75 when --time-limit stopped it first (rerun to resume), 1 on an
     error."""
 
-    data: str = SHAREGPT
+    data: str = SHAREGPT  # the original answers are the ones to replace
     """'sharegpt', a .json/.jsonl(.gz)/.parquet file or directory (ShareGPT or messages style)"""
     out: str = "runs/regen/sharegpt.jsonl"
     """output JSONL (appended; rerun to resume)"""
-    num_records: int = 0
-    """records read from the data (0 = all)"""
     max_turns: int = 0
     """assistant turns regenerated per conversation; later turns are dropped (0 = all)"""
     max_prompt_len: int = 2048

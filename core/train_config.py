@@ -14,38 +14,28 @@ from typing import Annotated
 
 import tyro
 
+from core.cli_options import DataOption, DeviceOption, MaxLenOption, NumRecordsOption, StrategyOption, TargetOption
 from core.config import DeployConfig, cli, config_path, flag_values, load_yaml
 from core.runlog import RUN_FILES, os_why, output_kind, previous_run, probe_write
-from data.datasets import DEFAULT_DATA
 from models.families import FAMILIES, FAMILY_OPTIONS
-from models.target import DEFAULT_TARGET, PACKABLE_ATTENTION
+from models.target import PACKABLE_ATTENTION
 
 MAX_MOE_EXPERTS = 256
 MAX_PROCESSES = 1024  # --producers, --consumer-ranks: processes the disaggregated launcher starts on one host
 
 
 @dataclass
-class BaseTrainConfig:
-    """The options every family reads; each family's own are its file's options dataclass (models/family.py
+class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, TargetOption, StrategyOption):
+    """The options every family reads (--strategy, --target, --data, --num-records, --max-len and --device are
+    core/cli_options.py's groups); each family's own are its file's options dataclass (models/family.py
     `options_cls`), and TrainConfig below is this plus all of them."""
 
-    strategy: str = "eagle3"
-    """draft family to train: eagle3 | peagle | dflash | domino | dspark (models/families.py)"""
-    target: str = DEFAULT_TARGET
-    """HF causal-LM directory, a .gguf file, or 'smollm2' (the packaged SmolLM2-135M-Instruct)"""
-    data: str = DEFAULT_DATA
-    """'sharegpt-greedy' (default: packaged chats answered greedily by SmolLM2 itself, 16,808), 'sharegpt-regen'
-    (3,390 answered by SmolLM2 at temperature 0.8), 'sharegpt' (the original answers), or a ShareGPT/messages-style
-    .json/.jsonl(.gz)/.parquet file or directory"""
     features: str = ""
     """offline: train from a FeatureStore written by `capture.py features` (no target forward; only the
     target's embeddings and lm_head are loaded; the samples, hence --data/--num-records/--max-len, are the store's)"""
-    num_records: int = 1200
-    """records read from the data (0 = all)"""
+    num_records: int = 1200  # a CPU demo's worth; 0 reads all
     holdout: int = 32
     """examples held out for the final evaluation"""
-    max_len: int = 384
-    """tokens per conversation; longer ones are truncated"""
     ttt_length: int = 7
     """drafted tokens K trained per position: TTT steps (eagle3), parallel depths (peagle), block
     predictions (dflash/domino: blocks of K+1 after the clean anchor; dspark: blocks of K)"""
@@ -115,8 +105,6 @@ class BaseTrainConfig:
     """eagle3's head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton
     on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU; the other families compute
     their own (none reads --loss)"""
-    device: str = "auto"
-    """auto | cpu | cuda"""
     backend: str = "auto"
     """target forward: hf (transformers, any model; the reference) | compiled (models/fast_target.py: Llama,
     Qwen2/3, Qwen3-MoE; layers torch.compile'd on GPU) | vllm (a vLLM engine in its own venv, NANOSPEC_VLLM_VENV
