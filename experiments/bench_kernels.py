@@ -78,8 +78,8 @@ class Bench:
     memory of one case, its correctness check, and the rows (printed, appended to --out)."""
 
     def __init__(self, args: Args):
-        import torch
-        import triton
+        import torch  # lazy: after main() sets TRITON_INTERPRET (--smoke); --help runs without torch
+        import triton  # after main() sets TRITON_INTERPRET
 
         self.smoke = smoke = args.smoke
         if not smoke and not torch.cuda.is_available():
@@ -126,8 +126,8 @@ class Bench:
     def measure(self, fn):
         """(median ms, peak GiB above the inputs, absolute peak GiB); fn is called once first
         so that compilation and autotuning stay out of both numbers."""
-        import torch
-        import triton.testing
+        import torch  # lazy, as in Bench.__init__
+        import triton.testing  # after main() sets TRITON_INTERPRET
 
         fn()
         if self.dev == "cpu":
@@ -156,7 +156,7 @@ class Bench:
 
     def run_case(self, name, impl, make_fn, check, **fields):
         """make_fn() -> fn (allocates inputs); check() -> relative error vs eager (or None)."""
-        import torch
+        import torch  # lazy, as in Bench.__init__
 
         fn = None
         try:
@@ -177,7 +177,7 @@ class Bench:
                 torch.cuda.empty_cache()
 
     def randn(self, *shape, seed, scale=1.0, grad=False):
-        import torch
+        import torch  # lazy, as in Bench.__init__
 
         g = torch.Generator(device=self.dev).manual_seed(seed)
         return (torch.randn(*shape, device=self.dev, generator=g) * scale).to(self.dtype).requires_grad_(grad)
@@ -223,7 +223,7 @@ def _fresh(x):
 def ttt_attention_dense(q, ks, vs):
     """SpecForge's eager TTT attention: keys concatenated, [T, n T] logits materialised under the dense TTT mask
     (causal over step 0, the diagonal of the others)."""
-    import torch
+    import torch  # lazy, as in Bench.__init__
 
     T, n, g = q.shape[2], len(ks), q.shape[1] // ks[0].shape[1]
     k_cat = torch.cat(ks, 2).repeat_interleave(g, dim=1)
@@ -238,9 +238,14 @@ def ttt_attention_dense(q, ks, vs):
 def bench_attention(b: Bench, args: Args):
     """ttt_attention (the whole TTT unroll) and ttt_call (one call: the last step's queries against the keys of
     all n steps, the protocol of SpecForge's flex-vs-eager figures; BENCHMARKS.md, "TTT attention, one call")."""
-    import torch
+    import torch  # lazy, as in Bench.__init__
 
-    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+    from kernels.ttt_attention import (  # after main() sets TRITON_INTERPRET
+        TTTFlexAttention,
+        ttt_attention_eager,
+        ttt_attention_flex,
+        ttt_attention_lse,
+    )
 
     impls = {
         "eager": ttt_attention_eager,
@@ -298,10 +303,10 @@ def bench_attention(b: Bench, args: Args):
 
 def bench_ce(b: Bench, args: Args):
     """ce (soft CE on [seq, vocab] logits) and head_ce (the draft head's matmul + soft CE, or fused)."""
-    import torch
+    import torch  # lazy, as in Bench.__init__
 
-    from kernels.ce import soft_cross_entropy
-    from kernels.fused_ce import fused_linear_soft_ce
+    from kernels.ce import soft_cross_entropy  # after main() sets TRITON_INTERPRET
+    from kernels.fused_ce import fused_linear_soft_ce  # after main() sets TRITON_INTERPRET
 
     def eager_soft_ce(z, p, mask):
         return (mask * -(p.float() * torch.log_softmax(z.float(), -1)).sum(-1)).sum()
@@ -360,7 +365,7 @@ def bench_ce(b: Bench, args: Args):
 def main(args: Args):
     if args.smoke:  # before triton is imported anywhere: CE kernels run in the interpreter on CPU
         os.environ["TRITON_INTERPRET"] = "1"
-    import kernels.ttt_attention
+    import kernels.ttt_attention  # after main() sets TRITON_INTERPRET
 
     kernels.ttt_attention.FLEX_KERNEL_OPTIONS.update(json.loads(args.flex_kernel_options))
     b = Bench(args)

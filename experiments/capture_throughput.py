@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from data.chat import Example  # noqa: E402
 from experiments.common import short_commit  # noqa: E402
 
 LLAMA_8B = dict(
@@ -95,8 +97,8 @@ class Args:
 
 def random_llama(shape: dict, device, dtype):
     """Llama-shaped model with random weights: meta init, to_empty on the device, init there."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch  # lazy: --help runs without torch (seconds)
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: transformers (~1.5 s), as torch
 
     cfg = LlamaConfig(**shape)
     with torch.device("meta"):
@@ -121,10 +123,8 @@ def random_llama(shape: dict, device, dtype):
 
 
 def env_info(device) -> dict:
-    import platform
-
-    import torch
-    import transformers
+    import torch  # lazy: --help runs without torch (seconds)
+    import transformers  # lazy: transformers (~1.5 s), as torch
 
     info = {
         "torch": torch.__version__,
@@ -141,12 +141,11 @@ def env_info(device) -> dict:
 
 
 def main(args: Args):
-    import torch
+    import torch  # lazy: --help runs without torch (seconds)
 
-    from core.features import capture_examples
-    from data.chat import Example
-    from data.feature_store import FeatureStore, feature_schema
-    from models.target import Target
+    from core.features import capture_examples  # lazy: imports torch
+    from data.feature_store import FeatureStore, feature_schema  # lazy: imports torch
+    from models.target import Target  # lazy: imports torch
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -20,6 +20,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data.chat import to_messages  # noqa: E402
 from experiments.sweep import SweepArgs, main  # noqa: E402
 
 SHAREGPT_SCAN = 8000  # the regenerated chats come from the first 8,000 ShareGPT records
@@ -42,8 +43,7 @@ def original_replies(messages: list[dict]) -> list[tuple[list[dict], dict]]:
 def matched_files(out: Path, limit: int = 0) -> tuple[Path, Path]:
     """(original.jsonl, regen.jsonl): the same chats, in the same order, answered by ShareGPT's
     authors and by the target."""
-    from data.chat import to_messages
-    from data.datasets import SHAREGPT, SHAREGPT_REGEN, load_records
+    from data.datasets import SHAREGPT, SHAREGPT_REGEN, load_records  # lazy: imports torch; --help runs without torch
 
     orig_path, regen_path, info = out / "original.jsonl", out / "regen.jsonl", out / "matched.json"
     if info.exists() and json.loads(info.read_text()).get("limit") == limit:

@@ -76,10 +76,10 @@ def run(name, extra, out):
 
 
 def plot():
-    import matplotlib
+    import matplotlib  # lazy: matplotlib with pyplot (~1 s), only to draw the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"): headless backend
 
     rows = [json.loads(l) for l in open(JSONL)]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -111,7 +111,7 @@ class Args:
 
 def main(args: Args):
     if not args.plot:
-        from core.runlog import git_commit, hardware, versions
+        from core.runlog import git_commit, hardware, versions  # lazy: imports torch; --plot runs without it
 
         done = {json.loads(l)["mode"] for l in open(JSONL)} if JSONL.exists() else set()
         for name, extra in MODES.items():

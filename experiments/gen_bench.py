@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import tyro
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -80,8 +81,6 @@ def sync(model):
 
 def profile_steps(gen: SlotGenerator, n: int, mode: str):
     """n more decode steps under torch.profiler: the ops and kernels that take the time, host and device."""
-    from torch.profiler import ProfilerActivity, profile
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         done = 0

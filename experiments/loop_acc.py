@@ -27,7 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.cli_options import MaxLenOption  # noqa: E402
+from core.runlog import run_metadata  # noqa: E402
+from core.train_config import TrainConfig  # noqa: E402
+from core.trainer import Trainer  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
+from export import open_draft  # noqa: E402
 
 
 def loop_positions(ids: list[int], mask: list[int]) -> list[int]:
@@ -63,11 +67,6 @@ class Args(MaxLenOption):
 
 
 def main(a: Args):
-    from core.runlog import run_metadata
-    from core.train_config import TrainConfig
-    from core.trainer import Trainer
-    from export import open_draft
-
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())
     with gzip.open(a.data, "rt") if a.data.endswith(".gz") else open(a.data) as f:

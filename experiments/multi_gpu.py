@@ -31,6 +31,7 @@ row from the steps it logged. The run logs, run.json and metrics.jsonl files go 
 
 import dataclasses
 import datetime
+import importlib.metadata as md
 import json
 import os
 import re
@@ -41,9 +42,11 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Literal
 
+import torch
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +54,10 @@ sys.path.insert(0, str(ROOT))
 
 from core.cli_options import DataOption, MaxLenOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
+from core.runlog import git_commit, hardware  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
+from models.fast_target import PRESETS  # noqa: E402
+from models.target import resolve_target  # noqa: E402
 
 PHASES = ("tests", "parity", "dp", "disagg", "tp")
 WORK = Path(os.environ.get("MULTI_GPU_WORK", "/tmp/multi_gpu"))  # targets, train.py runs, pipeline store
@@ -79,8 +85,6 @@ def tiny(preset: dict, hidden: int, heads: int, **kw) -> dict:
 
 def target_configs(args) -> dict:
     """name -> (HF config of the random target, what the rows call it)."""
-    from models.fast_target import PRESETS
-
     llama, qwen = PRESETS["llama-3.1-8b"], PRESETS["qwen3-30b-a3b"]
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
     if args.cpu_smoke:
@@ -752,12 +756,6 @@ RUN = {"tests": phase_tests, "parity": phase_parity, "dp": phase_dp, "disagg": p
 
 # ------------------------------------------------------------------------------------ driver
 def environment(args) -> dict:
-    import importlib.metadata as md
-
-    import torch
-
-    from core.runlog import git_commit, hardware
-
     hw = hardware("cpu")  # host; the GPUs from nvidia-smi (no CUDA context in this process: it would hold GPU 0 memory)
     v = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if not args.cpu_smoke and shutil.which("nvidia-smi"):
@@ -828,8 +826,6 @@ def short(r: dict) -> str:
 def stage_tokenizer(dest: Path):
     """On the CPU machine: SmolLM2's tokenizer files (no weights) into .stage/tok, which git ignores;
     carry it to the GPU machine (tools/random_target.py copies it into each random target)."""
-    from models.target import resolve_target
-
     src = resolve_target("smollm2")
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
@@ -910,8 +906,6 @@ def main(argv=None):
         try:
             results[p] = RUN[p](runner, deadline(p), *a)
         except Exception as e:  # noqa: BLE001 (any failure of the runner itself, not of train.py)
-            import traceback
-
             traceback.print_exc()
             runner.write({"what": p, "error": f"multi_gpu.py: {type(e).__name__}: {e}"[:1000]})
         finally:

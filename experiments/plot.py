@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import tyro  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.families import SETTINGS as FAMILY_SETTINGS  # noqa: E402
+from experiments.moe_drafts import SETTINGS as MOE_SETTINGS  # noqa: E402
 from experiments.sweep import BENCHMARKS, RESULTS  # noqa: E402
 
 FIGURES = RESULTS.parent / "figures"
@@ -237,9 +239,7 @@ class PlotArgs:
 
 
 def moe_settings() -> list[str]:
-    from experiments.moe_drafts import SETTINGS
-
-    return [s for s, _ in SETTINGS]
+    return [s for s, _ in MOE_SETTINGS]
 
 
 def regen_settings() -> list[str]:
@@ -259,11 +259,9 @@ def main(a: PlotArgs) -> list[Path]:
         if (results / f"{study}.csv").exists():
             made += plot_bars(results / f"{study}.csv", figures, png, title, settings())
     if (results / "families_h200.csv").exists():
-        from experiments.families import SETTINGS as FAMILY_SETTINGS
-
         made += plot_families(results / "families_h200.csv", figures, [s for s, _ in FAMILY_SETTINGS])
     if (results / "throughput_h200.jsonl").exists():
-        from experiments.throughput import plot as plot_backends
+        from experiments.throughput import plot as plot_backends  # lazy: imports torch and triton (seconds)
 
         plot_backends(results / "throughput_h200.jsonl", figures / "backends_h200.png")
         made.append(figures / "backends_h200.png")

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
+from core.vllm_features import vllm_target  # noqa: E402
 
 
 @dataclass
@@ -41,13 +42,12 @@ class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
 
 
 def main(args: Args):
-    import torch
+    import torch  # lazy: --help runs without torch (seconds)
 
-    from core.features import capture_examples, load_target
-    from core.runlog import hardware, versions
-    from core.vllm_features import vllm_target
-    from data.datasets import build_examples, load_records
-    from models.target import load_tokenizer, resolve_target
+    from core.features import capture_examples, load_target  # lazy: imports torch
+    from core.runlog import hardware, versions  # lazy: imports torch
+    from data.datasets import build_examples, load_records  # lazy: imports torch
+    from models.target import load_tokenizer, resolve_target  # lazy: imports torch
 
     target_dir = resolve_target(args.target)
     examples = build_examples(load_records(args.data, args.num_records), load_tokenizer(target_dir), args.max_len)

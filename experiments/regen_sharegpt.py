@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.cli_options import NumRecordsOption, TargetOption  # noqa: E402
+from data.chat import to_messages  # noqa: E402
+from data.loops import loop_cut  # noqa: E402
+from experiments.data_regen import reply_stats  # noqa: E402
 
 # v1 (data/sharegpt_smollm2_regen, 2026-11-29): HF generate, sampled, 3,390 chats in 13 GPU minutes
 PRESET_V1 = dict(
@@ -70,9 +73,8 @@ FILES = ("regen.jsonl.gz", "regen.dropped.jsonl", "regen.provenance.json")
 def prepare(state: Path, num_records: int, max_turns: int):
     """First num_records ShareGPT conversations, user/system turns up to the max_turns-th reply,
     assistant turns kept as empty placeholders (they are regenerated)."""
-    from core.regenerate import conversation_ids, reply_slots
-    from data.chat import to_messages
-    from data.datasets import load_records
+    from core.regenerate import conversation_ids, reply_slots  # lazy: imports torch (seconds), as run() below
+    from data.datasets import load_records  # lazy: imports torch (seconds)
 
     records = load_records("sharegpt", num_records or None)  # 0 = all
     state.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,6 @@ def bench(state: Path, out_dir: Path, target: str, n: int, settings: dict) -> li
     engine sampled (temperature 0.8, top-p 0.95, as v1): generated tokens/s, agreement of the
     greedy outputs, and how repetitive each setting's replies are (experiments/data_regen.py)."""
     from core.regenerate import RegenConfig, regenerate  # heavy: torch and transformers, only when a run starts
-    from experiments.data_regen import reply_stats
 
     base = {**settings, "max_turns": 1, "num_records": n}
     runs = [
@@ -176,10 +177,9 @@ def finalize(inputs: list[Path], dropped: list[Path], out_dir: Path, target: str
     loop, so they are near-policy rather than exactly the target's answer to the cut context, but
     train.py recomputes the target's distribution on the context as given, so every soft label
     stays exact."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~1.5 s to import)
 
-    from data.loops import loop_cut
-    from models.target import resolve_target
+    from models.target import resolve_target  # lazy: imports torch (seconds)
 
     tok = AutoTokenizer.from_pretrained(resolve_target(target))
     out_dir.mkdir(parents=True, exist_ok=True)

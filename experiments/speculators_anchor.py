@@ -49,7 +49,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
 import tyro
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +59,10 @@ sys.path.insert(0, str(ROOT))
 from core.cli_options import DataOption, MaxLenOption, NumRecordsOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
+from data.feature_store import StoreError, open_feature_store  # noqa: E402
 from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
+from models.engines import engine_aux_ids  # noqa: E402
+from models.fast_target import PRESETS  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -152,8 +157,6 @@ def spec_env(a: Args) -> dict:
 
 def make_verifier(a: Args) -> Path:
     """The random-weight verifier dir (tools/random_target.py); --smoke: the preset's shape shrunk to 64 wide."""
-    from models.fast_target import PRESETS
-
     if a.preset not in PRESETS:
         return Path(a.preset)
     cmd = [sys.executable, "tools/random_target.py", a.preset]
@@ -170,8 +173,6 @@ def make_verifier(a: Args) -> Path:
 
 def capture(a: Args, verifier: Path) -> Path:
     """Our FeatureStore (capture.py features), reused when it holds these settings complete."""
-    from data.feature_store import StoreError, open_feature_store
-
     store = a.work / "store"
     try:
         s, _ = open_feature_store(store)
@@ -191,11 +192,7 @@ def capture(a: Args, verifier: Path) -> Path:
 
 def convert(store_dir: Path, out: Path) -> dict:
     """Their offline data dir from our store: the same samples in id order, the same hidden states."""
-    import datasets
-    import torch
-    from safetensors.torch import save_file
-
-    from data.feature_store import open_feature_store
+    import datasets  # lazy: Hugging Face datasets (~2 s to import), only to write speculators' data dir
 
     store, examples = open_feature_store(store_dir)
     sha = store.schema["data"]["tokens_sha"]
@@ -329,9 +326,6 @@ def main(a: Args):
     env = spec_env(a) if "speculators" in a.trainers else None  # fail here, before minutes of setup
     verifier = make_verifier(a)
     store = capture(a, verifier)
-
-    from data.feature_store import open_feature_store
-    from models.engines import engine_aux_ids
 
     s, examples = open_feature_store(store)
     lengths = [len(e.input_ids) for e in examples]

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
         # the watchdog thread dumping during interpreter shutdown is a suspect for the segfaults (exit 139) at
         # the end of every probed run on the H200 (2026-12-03, experiments/results/scale_h200/mix_2800/README.md)
         faulthandler.cancel_dump_traceback_later()
-        import torch._dynamo.utils as du
+        import torch._dynamo.utils as du  # at exit, after train.py ran: the probe imports no torch of its own
 
         print(f"[probe] {time.time() - t0:.0f} s; compile times:\n{du.compile_times()}", file=sys.stderr, flush=True)
         counters = {k: dict(v) for k, v in du.counters.items() if v}

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.cli_options import DataOption, DeviceOption, MaxLenOption, NumRecordsOption, TargetOption
+from core.config import to_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -217,8 +218,7 @@ class Sweep:
         return self.a.seeds
 
     def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
-        from core.config import to_flags
-        from core.train_config import TrainConfig
+        from core.train_config import TrainConfig  # lazy: imports torch (seconds), only when a run is built
         from models.families import family_of  # these import torch: only when a run is built
 
         a, strategy = self.a, "eagle3"
@@ -351,7 +351,7 @@ class Sweep:
     def _gpu_training(self) -> bool:
         if self.a.device != "auto" and not self.a.device.startswith("cuda"):
             return False
-        import torch
+        import torch  # lazy: the studies' --help and resume check start without torch
 
         return torch.cuda.is_available()
 
@@ -375,8 +375,8 @@ class Sweep:
         meta = json.loads((run / "run.json").read_text())
         mem = meta.get("peak_memory", {})
         kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
-        from models.families import family_of
-        from models.layers import param_count
+        from models.families import family_of  # lazy: imports torch, as in train_cmd
+        from models.layers import param_count  # lazy: imports torch, as in train_cmd
 
         f = family_of(meta["config"]["strategy"])
         row = {

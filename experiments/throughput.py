@@ -31,23 +31,32 @@ experiments/results/throughput_h200.jsonl as soon as it is measured; the figure 
 import dataclasses
 import datetime
 import gc
+import importlib.metadata as md
 import json
 import statistics
 import sys
 import time
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import tyro
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.runlog import git_commit  # noqa: E402
+from data.datasets import build_examples, load_records  # noqa: E402
 from data.prefetch import Prefetcher  # noqa: E402
+from kernels.masks import causal_mask, create_block_mask, flex_attention_compiled  # noqa: E402
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch, select_rows  # noqa: E402
 from models.fast_target import PRESETS, FastTarget, TargetConfig  # noqa: E402
-from models.target import Target, default_aux_layers  # noqa: E402
+from models.target import Target, default_aux_layers, load_tokenizer, resolve_target  # noqa: E402
 
 # Assistant share of the packaged ShareGPT chats under SmolLM2's chat template, truncated at 4096
 # tokens (token-weighted, 2,936 conversations of the first 3,000 records; `--measure-mask` redoes it
@@ -190,10 +199,6 @@ def free_memory(device):
 
 
 def environment(device) -> dict:
-    import importlib.metadata as md
-
-    from core.runlog import git_commit
-
     env = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -215,7 +220,7 @@ class Bench:
         self.args, self.model, self.device, self.dtype = args, model, device, dtype
         cfg_dict = SMOKE[model] if args.smoke else PRESETS[model]
         self.tc = TargetConfig.from_dict(cfg_dict)
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s), not for --help / --plot-only
 
         t0 = time.time()
         torch.manual_seed(0)
@@ -412,8 +417,6 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
                 oom = is_oom(e)
                 write(dict(key, batch=B, oom=oom, error=None if oom else repr(e)[:500]))
                 if not oom:
-                    import traceback
-
                     traceback.print_exc()
                 free_memory(device)
                 if backend != "hf":
@@ -455,12 +458,6 @@ def run_model(args, model: str, device, dtype, out: Path, env: dict):
 def attention_microbench(bench, write):
     """The target's attention forward at one row of --max-len: SDPA (torch's pick), SDPA forced to
     cuDNN, FlexAttention causal (compiled). Documents the causal-path choice in fast_target."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-
-    from kernels.masks import causal_mask, create_block_mask, flex_attention_compiled
-
     tc, T, dev = bench.tc, bench.args.max_len, bench.device
     q = torch.randn(1, tc.num_attention_heads, T, tc.head_dim, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, tc.num_key_value_heads, T, tc.head_dim, device=dev, dtype=torch.bfloat16)
@@ -507,10 +504,10 @@ def _with(ctx, fn):
 def plot(results: Path, fig_path: Path):
     """Two rows: tokens/s per backend (comparison batch, and largest batch), with SpecForge's
     number; the step split at the comparison batch."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib with pyplot (~1 s), only to draw the figure
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg"): headless backend
 
     rows = [json.loads(l) for l in open(results) if l.strip()] if results.exists() else []
     trials = {}
@@ -604,11 +601,6 @@ def plot(results: Path, fig_path: Path):
 
 
 def measure_mask_density(max_len: int) -> float:
-    from collections import Counter
-
-    from data.datasets import build_examples, load_records
-    from models.target import load_tokenizer, resolve_target
-
     tok = load_tokenizer(resolve_target("smollm2"))
     ex = build_examples(load_records("sharegpt", 3000), tok, max_len, Counter())
     return sum(sum(e.loss_mask) for e in ex) / sum(len(e.input_ids) for e in ex)

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
 from core.config import to_flags  # noqa: E402
+from core.runlog import git_commit, hardware, versions  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
+from models.fast_target import PRESETS  # noqa: E402
+from models.target import load_tokenizer, resolve_target  # noqa: E402
+from models.tiny import tiny_llama  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -92,10 +97,6 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 def environment() -> dict:
     """What a row records about where it was measured (runlog's commit, versions and hardware)."""
-    import torch
-
-    from core.runlog import git_commit, hardware, versions
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
         "git_commit": git_commit(),
@@ -206,8 +207,6 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
 
 
 def main(a: Args):
-    from models.fast_target import PRESETS
-
     if a.smoke:
         a.target, a.max_len, a.steps, a.log_every, a.skip_windows, a.harness = "tiny", 256, 6, 2, 0, False
         a.batch_size, a.draft_vocab_size, a.num_records, a.ttt_length, a.modes = 4, 64, 40, 2, ("pack", "tokens")
@@ -218,9 +217,6 @@ def main(a: Args):
     common = {"model": a.target, "seq": a.max_len, "ttt": a.ttt_length, **environment()}
     target = a.target
     if a.smoke:
-        from models.target import load_tokenizer, resolve_target
-        from models.tiny import tiny_llama
-
         tok, target = load_tokenizer(resolve_target("smollm2")), str(a.work / "tiny")
         tiny_llama(vocab=len(tok), hidden=64, layers=4, heads=4, kv_heads=2).save_pretrained(target)
         tok.save_pretrained(target)

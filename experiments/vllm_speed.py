@@ -23,6 +23,8 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.cli_options import TargetOption  # noqa: E402
+from core.vllm_spec import run_job  # noqa: E402
+from data.chat import render  # noqa: E402
 
 
 @dataclass
@@ -40,8 +42,7 @@ class Args(TargetOption):
 
 
 def prompts(tok, n: int) -> list[list[int]]:
-    from data.benchmarks import load_prompts
-    from data.chat import render
+    from data.benchmarks import load_prompts  # lazy: imports torch (seconds); --help runs without it
 
     return [
         render(tok, [{"role": "user", "content": turns[0]}])
@@ -51,9 +52,8 @@ def prompts(tok, n: int) -> list[list[int]]:
 
 
 def main(a: Args) -> list[dict]:
-    from core.runlog import git_commit, hardware, versions
-    from core.vllm_spec import run_job
-    from models.target import load_tokenizer, resolve_target
+    from core.runlog import git_commit, hardware, versions  # lazy: imports torch (seconds); --help runs without it
+    from models.target import load_tokenizer, resolve_target  # lazy: imports torch, as core.runlog
 
     target = resolve_target(a.target)
     ps = prompts(load_tokenizer(target), a.num_prompts)

@@ -28,6 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.cli_options import DataOption, MaxLenOption, NumRecordsOption, TargetOption  # noqa: E402
+from core.runlog import git_commit, hardware, versions  # noqa: E402
+from data.benchmarks import load_prompts  # noqa: E402
+from data.chat import render  # noqa: E402
+from data.datasets import build_examples, load_records, split_holdout  # noqa: E402
+from data.vocab import build_vocab_mapping, count_tokens, coverage_rows  # noqa: E402
+from models.target import eos_ids, load_tokenizer, resolve_target  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -51,8 +57,6 @@ class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
 
 def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> list[list[int]]:
     """The target's greedy replies, turn by turn as evaluate.run_dataset feeds them."""
-    from data.chat import render
-
     outs = []
     for turns in convs:
         msgs = []
@@ -68,13 +72,7 @@ def greedy_outputs(model, tok, convs: list[list[str]], max_new: int, eos) -> lis
 
 
 def main(a: Args) -> list[dict]:
-    from transformers import AutoModelForCausalLM
-
-    from core.runlog import git_commit, hardware, versions
-    from data.benchmarks import load_prompts
-    from data.datasets import build_examples, load_records, split_holdout
-    from data.vocab import build_vocab_mapping, count_tokens, coverage_rows
-    from models.target import eos_ids, load_tokenizer, resolve_target
+    from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s) stays out of --help
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -16,12 +16,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.tiny import TINY_TRAIN  # noqa: E402
+from data.datasets import load_records  # noqa: E402
+from models.target import load_tokenizer, resolve_target  # noqa: E402
+from models.tiny import TINY_TRAIN, tiny_llama  # noqa: E402
 
 TINY = [*TINY_TRAIN, "--steps", "4", "--eval-every", "4"]  # the tests' tiny run, 4 steps, one evaluation
 RUNS = {  # name -> extra train.py flags (on the tiny target unless the name starts with smollm2)
@@ -63,12 +66,6 @@ def tiny_inputs(work: Path) -> tuple[Path, Path]:
     """The tests' tiny Llama (tests/conftest.py tiny_run_inputs) and its chats, built once."""
     target, chats = work / "target", work / "chats.jsonl"
     if not (target / "config.json").exists():
-        import torch
-
-        from data.datasets import load_records
-        from models.target import load_tokenizer, resolve_target
-        from models.tiny import tiny_llama
-
         torch.manual_seed(0)
         tok = load_tokenizer(resolve_target("smollm2"))
         tiny_llama(vocab=len(tok), hidden=64, layers=4, heads=4, kv_heads=2).save_pretrained(target)

@@ -26,13 +26,16 @@ Outcome classes (one JSON line per case in --out, then a table):
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
 import typing
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -103,9 +106,9 @@ def build_inputs(w: Path) -> dict[str, Path]:
     if (d / "DONE").exists():
         return f
     d.mkdir(parents=True, exist_ok=True)
-    from data.datasets import load_records
-    from models.target import load_tokenizer, resolve_target
-    from models.tiny import tiny_llama
+    from data.datasets import load_records  # lazy: imports torch, only to build the inputs once (parent stays light)
+    from models.target import load_tokenizer, resolve_target  # lazy: as load_records
+    from models.tiny import tiny_llama  # lazy: as load_records
 
     if not f["target"].exists():
         tok = load_tokenizer(resolve_target("smollm2"))
@@ -239,8 +242,6 @@ def bases(f: dict[str, Path]) -> dict[str, dict]:
 
 
 def config_fields(spec: str) -> list[dataclasses.Field]:
-    import importlib
-
     mod, name = spec.split(":")
     out = []
     for fld in dataclasses.fields(getattr(importlib.import_module(mod), name)):
@@ -362,9 +363,6 @@ def start(case: dict, d: Path, fork: bool) -> int:
         return pid
     code = 1
     try:  # the child: `python SCRIPT ARGS`, as the interpreter would run it
-        import runpy
-        import traceback
-
         os.setsid()
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -503,8 +501,6 @@ def main(a: Args):
         print(len(todo), "cases")
         return
     if a.fork:  # the heavy imports once, before the forks
-        import importlib
-
         for mod in ("train", "capture", "export", "evaluate", "gate"):
             importlib.import_module(mod)
     table(run_all(a, todo, f))

@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,8 +37,7 @@ def write_random_target(
     config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0
 ) -> Path:
     """Build the model on `device`, write it to `out` (through a temporary dir renamed into place)."""
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~1.5 s to import) stays out of --help
 
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
     if len(tok) > config["vocab_size"]:
