@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -11,14 +12,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest -n N: the N workers sh
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The packaged SmolLM2-135M-Instruct, converted once to a cached HF directory."""
-    from models.target import resolve_target
+    from models.target import resolve_target  # heavy (torch): conftest loads in every run, torch-free ones too
 
     return resolve_target("smollm2")
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
-    from models.target import load_tokenizer
+    from models.target import load_tokenizer  # heavy (torch): conftest loads in every run, torch-free ones too
 
     return load_tokenizer(smollm2_dir)
 
@@ -27,10 +28,8 @@ def smollm2_tokenizer(smollm2_dir):
 def tiny_run_inputs(tmp_path_factory, smollm2_tokenizer):
     """A tiny random Llama target directory (SmolLM2's tokenizer and chat template) and a short
     messages-style JSONL of chats, for end-to-end train.py runs that take seconds."""
-    import json
-
-    from data.datasets import load_records
-    from tests.tiny import tiny_llama
+    from data.datasets import load_records  # heavy (torch): conftest loads in every run, torch-free ones too
+    from tests.tiny import tiny_llama  # heavy (torch, then transformers): as load_records
 
     root = tmp_path_factory.mktemp("tiny")
     model = tiny_llama(vocab=len(smollm2_tokenizer), hidden=64, layers=4, heads=4, kv_heads=2)

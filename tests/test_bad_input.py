@@ -4,15 +4,23 @@ earlier run overwritten or lost."""
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+import evaluate
+import export
+import train
+from capture import FeaturesConfig, features
+from core.config import DeployConfig
+from core.train_config import TrainConfig
 from tests.test_train_e2e import ROOT, run_train, train_rows
 
 FAST = ["--num-records", "16", "--holdout", "2", "--batch-size", "2", "--draft-vocab-size", "512", "--ttt-length", "2"]
@@ -28,8 +36,6 @@ def failed(p, *messages):
 
 
 def cfg_of(target, data, out, **kw):
-    from core.train_config import TrainConfig
-
     base = dict(
         target=str(target),
         data=str(data),
@@ -49,8 +55,6 @@ def cfg_of(target, data, out, **kw):
 
 def main_fails(cfg, *messages) -> str:
     """train.main in this process: the SystemExit message (what the user sees on stderr)."""
-    import train
-
     with pytest.raises(SystemExit) as e:
         train.main(cfg)
     msg = str(e.value.code)
@@ -120,8 +124,6 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
     ],
 )
 def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)  # never reached: validated before the target or data load
     main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
     assert not (tmp_path / "out").exists()
@@ -143,7 +145,6 @@ def test_family_option_refusals_are_error_lines(tmp_path, tiny_run_inputs, kw, m
 
 def test_batch_must_split_over_ranks(monkeypatch, tiny_run_inputs, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    import train
 
     with pytest.raises(train.ConfigError, match="--batch-size 6 is the global batch: it must split evenly over the 4"):
         train.validate(cfg_of(*tiny_run_inputs, tmp_path / "o", batch_size=6))
@@ -159,8 +160,6 @@ def test_draft_vocab_larger_than_target_vocab(tmp_path, tiny_run_inputs):
 def test_max_len_past_the_target_context(tmp_path, tiny_run_inputs):
     """The probe: --max-len beyond the target's context (the tiny target has 256 positions) was accepted, and a long
     conversation ran the target past it; train.py and capture.py features refuse it once the target is found."""
-    from capture import FeaturesConfig, features
-
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "out", target, data, 0, ["--steps", "1", "--max-len", "300"], check=False)
     failed(p, "--max-len (300) does not fit the target's context of 256 tokens (max_position_embeddings in")
@@ -184,10 +183,6 @@ def test_out_under_a_file(tmp_path, tiny_run_inputs):
 
 
 def test_out_read_only_fails_before_loading(tmp_path, tiny_run_inputs, monkeypatch):
-    import tempfile
-
-    import train
-
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
@@ -201,8 +196,6 @@ def test_out_read_only_fails_before_loading(tmp_path, tiny_run_inputs, monkeypat
 
 def test_out_where_writes_are_refused(tmp_path, tiny_run_inputs):
     """A real mount that refuses new entries (sysfs here); skipped where it does not."""
-    import os
-
     out = Path("/sys/nanospec_test_out")
     try:
         os.mkdir(out)
@@ -302,8 +295,6 @@ def test_resume_with_no_intact_checkpoint_fails_clearly(two_checkpoints, tiny_ru
 
 
 def test_resume_without_checkpoint_fails_up_front(tmp_path, tiny_run_inputs, monkeypatch):
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)
     main_fails(
         cfg_of(*tiny_run_inputs, tmp_path / "none", resume=True),
@@ -312,8 +303,6 @@ def test_resume_without_checkpoint_fails_up_front(tmp_path, tiny_run_inputs, mon
 
 
 def test_export_names_the_damaged_file(two_checkpoints):
-    import export
-
     out = two_checkpoints
     f = out / "ckpt" / "step_2" / "draft.safetensors"
     truncate(f)
@@ -355,8 +344,6 @@ def test_disk_full_during_checkpoint(tmp_path, tiny_run_inputs, monkeypatch):
 
 # ---------------------------------------------------------------- non-finite loss, data, help
 def test_nan_loss_names_an_existing_checkpoint(tmp_path, tiny_run_inputs):
-    from safetensors.torch import save_file
-
     target, data = tiny_run_inputs
     out = tmp_path / "run"
     run_train(out, target, data, 0, [*FAST, "--steps", "3", "--stop-after", "1"])
@@ -447,8 +434,6 @@ def test_aux_layers_out_of_range(tmp_path, tiny_run_inputs):
     ],
 )
 def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
-    import evaluate
-
     with pytest.raises(SystemExit) as e:
         evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), **kw))  # refused before the draft is read
     assert str(e.value.code) == message if message.startswith("error") else message in str(e.value.code)
@@ -466,8 +451,6 @@ def test_evaluate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
     ],
 )
 def test_moe_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)
     main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
     assert not (tmp_path / "out").exists()
@@ -493,8 +476,6 @@ def test_moe_experts_too_many_for_the_target(tmp_path, tiny_run_inputs):
     ],
 )
 def test_tp_and_row_padding_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)
     main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: " + message)
     assert not (tmp_path / "out").exists()
@@ -521,9 +502,6 @@ def test_tp_and_row_padding_checked_before_anything(tmp_path, tiny_run_inputs, k
     ],
 )
 def test_deploy_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
-    import train
-    from core.config import DeployConfig
-
     monkeypatch.setattr(train, "Trainer", None)
     cfg = cfg_of(*tiny_run_inputs, tmp_path / "out", deploy=DeployConfig(**kw))
     main_fails(cfg, "error: " + message)
@@ -533,9 +511,6 @@ def test_deploy_options_checked_before_anything(tmp_path, tiny_run_inputs, kw, m
 def test_control_dir_of_other_files_is_refused(tmp_path, tiny_run_inputs):
     """A fresh disaggregated run deletes the control.db and features/ of its --control: `--control runs` took
     runs/features, capture.py features' default store. Refused before anything starts."""
-    import train
-    from core.config import DeployConfig
-
     ctl = tmp_path / "runs"
     (ctl / "features").mkdir(parents=True)
     (ctl / "features" / "store.json").write_text("{}")

@@ -3,17 +3,32 @@ directory or a file that is not GGUF, a data file of an unsupported format, malf
 untrainable chats, feature-store bytes damaged in place. Through train.py they are an
 `error: ...` exit (non-zero, no traceback) and no input file is changed or removed."""
 
+import errno
+import gzip
 import json
+import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+import capture
+import evaluate
+import gate
 import models.target as target_mod
-from data.chat import DataError
-from models.target import TargetError, load_tokenizer, resolve_target
+from capture import FeaturesConfig, features
+from core.config import cli
+from core.train_config import TrainConfig
+from data.benchmarks import load_prompts
+from data.chat import DataError, to_messages
+from data.datasets import load_records
+from data.feature_store import FeatureStore
+from models.target import Target, TargetError, load_tokenizer, resolve_target
 from tests.test_train_e2e import run_train
+from tests.tiny import tiny_llama
 
 GOOD = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]}
 
@@ -87,9 +102,6 @@ def test_damaged_gguf_conversion_is_named_and_leaves_no_temp(tmp_path, monkeypat
 
 
 def test_target_without_weights_or_tokenizer_is_named(tmp_path):
-    from models.target import Target
-    from tests.tiny import tiny_llama
-
     tiny_llama().config.save_pretrained(tmp_path)  # a valid config.json, nothing else
     with pytest.raises(TargetError, match=rf"cannot load the target {tmp_path} \("):
         Target.load(tmp_path)
@@ -163,11 +175,6 @@ def test_train_bad_data_fails_clearly(tmp_path, tiny_run_inputs, case):
 def test_train_on_damaged_feature_shard_fails_clearly(tmp_path, tiny_run_inputs):
     """40 KB of one shard's feature bytes overwritten in place (header, shapes and size intact):
     train.py --features stops with an error naming the shard, and leaves the store as it was."""
-    import os
-
-    from capture import FeaturesConfig, features
-    from data.feature_store import FeatureStore
-
     target, data = tiny_run_inputs
     out = tmp_path / "store"
     features(FeaturesConfig(target=str(target), data=str(data), out=str(out), num_records=60, max_len=64, shard_mb=1))
@@ -193,8 +200,6 @@ def test_train_on_damaged_feature_shard_fails_clearly(tmp_path, tiny_run_inputs)
 
 # ---------------------------------------------------------------- chat-API content parts, misshaped records
 def test_openai_content_parts_are_joined_as_text():
-    from data.chat import to_messages
-
     rec = {
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]},
@@ -219,8 +224,6 @@ def test_openai_content_parts_are_joined_as_text():
     ],
 )
 def test_misshaped_turns_are_refused(rec, message):
-    from data.chat import to_messages
-
     with pytest.raises(DataError, match=re.escape(message)):
         to_messages(rec)
 
@@ -241,8 +244,6 @@ def _not_utf8(path: Path) -> Path:
 
 
 def _cut_gz(path: Path) -> Path:
-    import gzip
-
     z = gzip.compress(((json.dumps(GOOD) + "\n") * 400).encode())
     path.write_bytes(z[: len(z) // 2])
     return path
@@ -259,8 +260,6 @@ def _cut_gz(path: Path) -> Path:
 )
 def test_undecodable_data_is_a_data_error(tmp_path, name, make, message):
     """Were a UnicodeDecodeError and an EOFError traceback (train, capture and gate read data this way)."""
-    from data.datasets import load_records
-
     f = make(tmp_path / name)
     with pytest.raises(DataError) as e:
         load_records(str(f))
@@ -275,8 +274,6 @@ def test_undecodable_data_is_a_data_error(tmp_path, name, make, message):
     ],
 )
 def test_malformed_json_line_says_where(tmp_path, text, message):
-    from data.datasets import load_records
-
     f = tmp_path / "a.jsonl"
     f.write_text(json.dumps(GOOD) + "\n" + text)
     with pytest.raises(DataError, match=re.escape(message)):
@@ -284,8 +281,6 @@ def test_malformed_json_line_says_where(tmp_path, text, message):
 
 
 def test_malformed_json_array_names_its_line_and_column(tmp_path):
-    from data.datasets import load_records
-
     f = tmp_path / "a.json"
     f.write_text("[\n" + json.dumps(GOOD) + ",\n" + '  {"messages": [}\n]\n')
     with pytest.raises(DataError, match=re.escape("a.json:3: malformed JSON (Expecting value at column 17)")):
@@ -302,8 +297,6 @@ def test_train_on_undecodable_data_fails_clearly(tmp_path, tiny_run_inputs, case
 
 def test_truncated_target_weights_are_named(tmp_path, tiny_run_inputs):
     """A model.safetensors cut off (an interrupted copy) was a SafetensorError traceback from from_pretrained."""
-    import shutil
-
     target, data = tiny_run_inputs
     bad = tmp_path / "t"
     shutil.copytree(target, bad)
@@ -335,9 +328,6 @@ def test_truncated_target_weights_are_named(tmp_path, tiny_run_inputs):
     ],
 )
 def test_config_file_values_are_checked(tmp_path, text, message):
-    from core.config import cli
-    from core.train_config import TrainConfig
-
     y = tmp_path / "run.yaml"
     y.write_text(text)
     if message is None:
@@ -352,9 +342,6 @@ def test_config_file_values_are_checked(tmp_path, text, message):
 
 
 def test_config_file_that_is_not_yaml_text(tmp_path):
-    from core.config import cli
-    from core.train_config import TrainConfig
-
     for path, message in [(tmp_path, "IsADirectoryError"), (_cut_gz(tmp_path / "a.gz"), "UnicodeDecodeError")]:
         with pytest.raises(SystemExit, match=f"error: --config {path}: cannot be read as a YAML file \\({message}"):
             cli(TrainConfig, ["--config", str(path)])
@@ -378,8 +365,6 @@ def test_config_file_that_is_not_yaml_text(tmp_path):
 )
 def test_evaluate_refuses_bad_prompts_before_loading(tmp_path, text, message):
     """Were a KeyError / JSONDecodeError / TypeError traceback, after the target and draft had loaded."""
-    import evaluate
-
     f = tmp_path / "a.jsonl"
     if text is None:
         f.write_bytes(b'{"prompt": "caf\xe9"}\n')
@@ -391,8 +376,6 @@ def test_evaluate_refuses_bad_prompts_before_loading(tmp_path, text, message):
 
 
 def test_evaluate_reads_good_prompt_files(tmp_path):
-    from data.benchmarks import load_prompts
-
     f = tmp_path / "a.jsonl"
     f.write_text('{"prompt": "p"}\n\n{"turns": ["a", "b"]}\n' + json.dumps(GOOD) + "\n")
     assert load_prompts(str(f), 0) == [["p"], ["a", "b"], ["What is 2 + 2?"]]
@@ -402,10 +385,6 @@ def test_evaluate_reads_good_prompt_files(tmp_path):
 @pytest.mark.parametrize("command", ["features", "regenerate", "prompts"])
 def test_capture_out_read_only_fails_before_loading(tmp_path, monkeypatch, command):
     """Was a PermissionError / OSError traceback from a mkdir or touch, after the target had loaded."""
-    import errno
-    import tempfile
-
-    import capture
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -424,8 +403,6 @@ def test_capture_out_read_only_fails_before_loading(tmp_path, monkeypatch, comma
 
 
 def test_capture_out_of_the_wrong_kind(tmp_path):
-    import capture
-
     f = tmp_path / "a.jsonl"
     f.write_text("x")
     with pytest.raises(SystemExit, match=f"error: --out {f} is a file; the feature store is a directory"):
@@ -438,8 +415,6 @@ def test_capture_out_of_the_wrong_kind(tmp_path):
 # ---------------------------------------------------------------- gate.py inputs (issue 35)
 @pytest.mark.parametrize("case", ["sample_not_json", "sample_other_json", "sample_missing", "ckpt_missing", "data"])
 def test_gate_bad_inputs_are_one_error_line(tmp_path, tiny_run_inputs, case, capsys):
-    import gate
-
     target, data = tiny_run_inputs
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -481,8 +456,6 @@ def test_gate_bad_inputs_are_one_error_line(tmp_path, tiny_run_inputs, case, cap
     ],
 )
 def test_capture_prompts_refuses_bad_options_before_loading(tmp_path, kw, message):
-    import capture
-
     with pytest.raises(SystemExit) as e:
         capture.write_prompts(capture.PromptsConfig(target="/no/target", out=str(tmp_path / "p.jsonl"), **kw))
     assert str(e.value.code) == message
@@ -491,10 +464,6 @@ def test_capture_prompts_refuses_bad_options_before_loading(tmp_path, kw, messag
 
 def test_evaluate_out_checked_before_loading(tmp_path, monkeypatch):
     """--out was opened only after every dataset was decoded: a PermissionError traceback that lost the run."""
-    import errno
-    import tempfile
-
-    import evaluate
 
     def run(out):
         with pytest.raises(SystemExit) as e:  # the draft does not exist: nothing was loaded before the refusal

@@ -2,14 +2,28 @@
 a feature store or a gate run given where a target model, chats, a store or an --out goes is refused by name
 before anything loads, as one `error:` line, and nothing is written or changed."""
 
+import errno
 import json
 import re
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import capture
+import core.vllm_spec
+import evaluate
+import export
+import gate
+import train
+from core import prompts
 from core.runlog import output_kind
+from core.vllm_spec import VENV_MARKER, VllmError, venv_problem
+from models.target import target_context
 from tests.test_bad_input import cfg_of, failed, main_fails, snapshot
+from tests.test_export import make_checkpoint
+from tests.test_speculative import tiny_eval_args
 from tests.test_train_e2e import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +70,6 @@ def test_output_kind_names_each_command(tmp_path):
 # ---------------------------------------------------------------- train.py
 def test_train_target_that_is_a_draft_export(tmp_path, tiny_run_inputs, monkeypatch):
     """Was a RuntimeError traceback from transformers (ignore_mismatched_sizes) after --out was created."""
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)  # refused before the target or the data load
     _, data = tiny_run_inputs
     msg = main_fails(
@@ -89,8 +101,6 @@ def test_train_target_that_is_a_draft_export(tmp_path, tiny_run_inputs, monkeypa
 def test_train_refuses_other_outputs(tmp_path, tiny_run_inputs, monkeypatch, field, given, message):
     """The export, store and checkpoint as --out took a run among their files (export.py --out replaces an
     export's directory whole); the others failed after the target loaded with a message about their insides."""
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)
     made = outputs(tmp_path)
     path = made.get(given, tmp_path / given)
@@ -106,8 +116,6 @@ def test_train_out_that_holds_other_files(tmp_path, tiny_run_inputs, monkeypatch
     """The probe: `--out ""` wrote the run into the current directory (a checkout's root took ckpt/, tb/,
     metrics.jsonl and run.json); a folder of a user's files or the target model's own folder took the run among
     their files. An empty directory, a new one or an earlier run's (with --resume / --overwrite) still do."""
-    import train
-
     monkeypatch.setattr(train, "Trainer", None)
     target, data = tiny_run_inputs
     out = {"": "", "user": tmp_path / "user", "target": target}[given]
@@ -128,8 +136,6 @@ def test_train_out_that_holds_other_files(tmp_path, tiny_run_inputs, monkeypatch
 def test_train_out_holding_only_its_log_is_taken(tmp_path, tiny_run_inputs):
     """`mkdir runs/x && python train.py --out runs/x > runs/x/train.log` (and experiments/sweep.py's runs): the
     shell makes the log before train.py starts; a directory of nothing else is not somebody's files."""
-    import train
-
     out = tmp_path / "run"
     out.mkdir()
     (out / "train.log").write_text("")
@@ -141,8 +147,6 @@ def test_train_out_holding_only_its_log_is_taken(tmp_path, tiny_run_inputs):
 
 # ---------------------------------------------------------------- gate.py
 def gate_fails(capsys, message: str, **kw) -> str:
-    import gate
-
     assert gate.main(gate.GateConfig(**kw)) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
@@ -152,9 +156,6 @@ def gate_fails(capsys, message: str, **kw) -> str:
 def test_gate_out_it_cannot_or_must_not_write(tmp_path, capsys, monkeypatch):
     """A file or a read-only --out was a FileExistsError / PermissionError traceback; a folder of other files
     (`--out runs`) had its train/ replaced by the overfit run and its train.jsonl overwritten."""
-    import errno
-    import tempfile
-
     made = outputs(tmp_path)
     f = tmp_path / "afile"
     f.write_text("x")
@@ -263,8 +264,6 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
     """The probe: a --vllm-venv that did not import vllm was deleted whole before the venv was built there, so
     `gate.py --vllm-venv runs` (a folder of runs) or `--vllm-venv .venv` (the project's venv) lost it. gate.py
     refuses it up front; ensure_venv (evaluate.py --vllm, capture.py --backend vllm: NANOSPEC_VLLM_VENV) too."""
-    from core.vllm_spec import VENV_MARKER, VllmError, ensure_venv, venv_problem
-
     made = {"user": {"notes.txt": "mine"}, "venv": {"pyvenv.cfg": "home = /usr/bin", "bin/python": ""}}
     path = tmp_path / given
     if given == "file":
@@ -275,7 +274,7 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
     before = snapshot(path) if path.is_dir() else path.read_bytes()
     gate_fails(capsys, "error: --vllm-venv: " + message.format(path), out=str(tmp_path / "g"), vllm_venv=str(path))
     with pytest.raises(VllmError, match=re.escape(message.format(path))):
-        ensure_venv(path, log=lambda msg: None)
+        core.vllm_spec.ensure_venv(path, log=lambda msg: None)  # through the module: a test here swaps it
     assert (snapshot(path) if path.is_dir() else path.read_bytes()) == before
     assert venv_problem(tmp_path / "new") is None  # built there
     if given == "venv":  # one this file started building (its marker) is rebuilt in place, as before
@@ -286,9 +285,6 @@ def test_vllm_venv_that_is_not_ours_is_never_replaced(tmp_path, capsys, given, m
 def test_gate_serves_within_the_target_context(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     """The probe: on the tiny 256-position target vLLM refused the gate's max_model_len 1024 ('GATE FAILED at
     serve' for a draft that was never served); it is the target's context where that is smaller."""
-    import core.vllm_spec
-    import gate
-
     jobs = []
     monkeypatch.setattr(core.vllm_spec, "ensure_venv", lambda venv, log: None)
     monkeypatch.setattr(core.vllm_spec, "run_job", lambda job, *a, **kw: jobs.append(job) or {})
@@ -319,8 +315,6 @@ def capture_fails(run, message: str):
     ],
 )
 def test_capture_features_refuses_bad_options_before_anything(tmp_path, kw, message):
-    import capture
-
     cfg = capture.FeaturesConfig(
         **{"target": "/no/t", "data": "/no/d.jsonl", "out": str(tmp_path / "s"), "max_len": 64, **kw}
     )
@@ -333,8 +327,6 @@ def test_capture_features_refuses_bad_options_before_anything(tmp_path, kw, mess
 @pytest.mark.parametrize("given", ["run", "export", "checkpoint", "gate", "folder"])
 def test_capture_features_out_of_another_kind(tmp_path, given):
     """--out a training run (or an export, a model's folder, ...) took a feature store among its files."""
-    import capture
-
     made = outputs(tmp_path)
     folder = tmp_path / "folder"
     folder.mkdir()
@@ -361,8 +353,6 @@ def test_capture_features_out_of_another_kind(tmp_path, given):
 def test_capture_target_or_data_of_another_command(tmp_path, command):
     """A draft export as --target was a tokenizer error after seconds; a training run as --data an error about its
     metrics.jsonl not being chats."""
-    import capture
-
     run = outputs(tmp_path)["run"]
     out = str(tmp_path / ("s" if command == "features" else "o.jsonl"))
     make = {
@@ -385,8 +375,6 @@ def test_capture_target_or_data_of_another_command(tmp_path, command):
 
 
 def test_capture_engine_refused_before_loading(tmp_path):
-    import capture
-
     message = "error: --engine must be auto, slots or hf, got 'nope'"  # was refused after the target loaded
     capture_fails(lambda: capture.regenerate(capture.RegenConfig(target="/no/t", engine="nope")), message)
     capture_fails(lambda: capture.write_prompts(capture.PromptsConfig(target="/no/t", engine="nope")), message)
@@ -399,10 +387,6 @@ def test_capture_engine_refused_before_loading(tmp_path):
 def test_capture_time_limit_exits_75(tmp_path, tiny_run_inputs, monkeypatch, capsys):
     """A run --time-limit stopped unfinished exited 0 like a finished one; now 75 (train.py's EX_TEMPFAIL), in
     each subcommand; finished (or stopped by --max-output-mb, as asked) is 0."""
-    import sys
-
-    import capture
-
     target, data = tiny_run_inputs
 
     def exit_code(*args) -> int:
@@ -421,8 +405,8 @@ def test_capture_time_limit_exits_75(tmp_path, tiny_run_inputs, monkeypatch, cap
     regen += ["--max-new-tokens", 2, "--engine", "hf"]
     assert exit_code(*regen, "--time-limit", 1e-3) == 75
     assert exit_code(*regen, "--max-output-mb", 1e-9) == 0  # nothing written yet: it runs (as asked)
-    prompts = ["prompts", "--target", target, "--out", tmp_path / "p.jsonl", "--batch-size", 2, "--engine", "hf"]
-    assert exit_code(*prompts, "--time-limit", 1e-3) == 75
+    sample = ["prompts", "--target", target, "--out", tmp_path / "p.jsonl", "--batch-size", 2, "--engine", "hf"]
+    assert exit_code(*sample, "--time-limit", 1e-3) == 75
     prov = json.loads((tmp_path / "p.provenance.json").read_text())
     assert prov["runs"][-1]["status"] == "stopped_by_time_limit"
     for command in ("features", "regenerate", "prompts"):  # --help says so
@@ -434,8 +418,6 @@ def test_capture_time_limit_exits_75(tmp_path, tiny_run_inputs, monkeypatch, cap
 def test_capture_prompts_that_are_all_dropped_stop(tmp_path, tiny_run_inputs, monkeypatch):
     """--temperature 0 samples the same prompts again (dropped as repeats), a --max-new-tokens no prompt ends
     within drops them all: the loop never ended. Now it stops with an error naming the reasons."""
-    from core import prompts
-
     target, _ = tiny_run_inputs
     monkeypatch.setattr(prompts, "ALL_DROPPED_STOP", 8)
     cfg = prompts.PromptsConfig(
@@ -452,8 +434,6 @@ def test_capture_prompts_that_are_all_dropped_stop(tmp_path, tiny_run_inputs, mo
 
 # ---------------------------------------------------------------- evaluate.py
 def evaluate_fails(tmp_path, message: str, **kw):
-    import evaluate
-
     with pytest.raises(SystemExit) as e:  # the draft does not exist: refused before anything loads
         evaluate.main(evaluate.EvalArgs(str(tmp_path / "no_draft"), data=("mtbench",), **kw))
     assert str(e.value.code) == message, str(e.value.code)
@@ -477,8 +457,6 @@ def test_evaluate_device_checked_before_loading(tmp_path):
 
 def test_evaluate_out_appends_only_to_its_own_results(tmp_path):
     """--out a run's metrics.jsonl had evaluate's result line appended to the run's record."""
-    import evaluate
-
     run = outputs(tmp_path)["run"]
     metrics = run / "metrics.jsonl"
     metrics.write_text('{"step": 1, "split": "train", "loss": 2.5}\n')
@@ -509,9 +487,6 @@ def test_evaluate_resume_file_in_a_new_directory(tiny_run_inputs, tmp_path):
     """--resume-file in a directory that did not exist was a FileNotFoundError traceback after the first dataset
     was decoded (its results lost); now the directory is made, and a place that cannot be written is refused
     before anything loads."""
-    import evaluate
-    from tests.test_speculative import tiny_eval_args
-
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Count to ten."}) + "\n")
     args = dict(tiny_eval_args(tiny_run_inputs, tmp_path), data=(str(tmp_path / "p.jsonl"),), max_new_tokens=4, k=(2,))
     resume = tmp_path / "new" / "sub" / "r.json"
@@ -535,9 +510,6 @@ def test_evaluate_k_beyond_max_new_tokens(tmp_path):
 
 def test_evaluate_max_new_tokens_beyond_the_context(tiny_run_inputs, tmp_path):
     """--max-new-tokens 100000 on a 256-position target decoded for minutes past its context, printing nothing."""
-    import evaluate
-    from tests.test_speculative import tiny_eval_args
-
     target, _ = tiny_run_inputs
     with pytest.raises(SystemExit) as e:
         evaluate.main(evaluate.EvalArgs(**tiny_eval_args(tiny_run_inputs, tmp_path), max_new_tokens=100000))
@@ -549,9 +521,6 @@ def test_evaluate_max_new_tokens_beyond_the_context(tiny_run_inputs, tmp_path):
 
 def test_evaluate_tree_topk_beyond_the_draft_vocab(tiny_run_inputs, tmp_path):
     """The probe: --tree-topk 10**12 was a RuntimeError traceback from topk once both models had loaded."""
-    import evaluate
-    from tests.test_speculative import tiny_eval_args
-
     args = tiny_eval_args(tiny_run_inputs, tmp_path)
     with pytest.raises(SystemExit) as e:
         evaluate.main(evaluate.EvalArgs(**args, data=("mtbench",), max_new_tokens=8, tree_topk=10**12))
@@ -561,9 +530,6 @@ def test_evaluate_tree_topk_beyond_the_draft_vocab(tiny_run_inputs, tmp_path):
 def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monkeypatch, capsys):
     """The probe: --vllm on the tiny target was a VllmError traceback after every dataset had been decoded (vLLM
     refused max_model_len 4096 on a 256-position target: it is the target's context now); the results print first."""
-    import evaluate
-    from core.vllm_spec import VllmError
-    from tests.test_speculative import tiny_eval_args
 
     def fails(*a, **kw):
         raise VllmError("vLLM exited 1: no vLLM here")
@@ -575,7 +541,6 @@ def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monk
     assert str(e.value.code) == "error: --vllm: the replay in vLLM failed: vLLM exited 1: no vLLM here"
     printed = capsys.readouterr().out
     assert '"results": {"mtbench"' in printed and "[vllm] chain3: replaying 2 turns in vLLM" in printed
-    from models.target import target_context
 
     assert target_context(tiny_run_inputs[0]) == 256 and target_context(tmp_path) is None
 
@@ -583,8 +548,6 @@ def test_evaluate_vllm_failure_is_one_error_line(tiny_run_inputs, tmp_path, monk
 @pytest.mark.parametrize("command", ["regenerate", "prompts"])
 def test_capture_generation_beyond_the_context(tmp_path, tiny_run_inputs, command):
     """--max-new-tokens 100000 on a 256-position target decoded past its context for as long as asked."""
-    import capture
-
     target, data = tiny_run_inputs
     out = str(tmp_path / "o.jsonl")
     if command == "regenerate":
@@ -607,8 +570,6 @@ def test_regenerate_prompts_fit_the_context_with_their_reply(tmp_path, tiny_run_
     """The probe: --max-prompt-len (2048 by default) past a 256-position target was accepted, so a long prompt and
     its reply ran the target past its context. A prompt may now take the context less --max-new-tokens (said in one
     line; a longer turn ends its conversation, counted as prompt_too_long); none left is an error before writing."""
-    import capture
-
     target, data = tiny_run_inputs
     out = tmp_path / "o.jsonl"
     kw = dict(target=str(target), data=str(data), out=str(out), num_records=4, batch_size=2, engine="hf")
@@ -639,9 +600,6 @@ def test_export_target_given_must_be_a_target(tmp_path, given, message):
     """The probe: an --target without a config.json (a missing path, a file, another command's output, even
     'smollm2') was skipped without a word: the export skipped the check that the draft fits the target and the
     tokenizer digest, recorded the wrong path as its target, and exited 0."""
-    import export
-    from tests.test_export import make_checkpoint
-
     run, _, _ = make_checkpoint(tmp_path)
     (tmp_path / "made").mkdir()
     made = outputs(tmp_path / "made")

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from core.batched_chain import batched_chain_generate
-from core.speculative import TargetRunner, speculative_generate
+from core.speculative import NgramProposer, TargetRunner, speculative_generate
 from models.eagle3 import Eagle3Proposer
+from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
 from models.proposer import Proposer
 from tests.test_speculative import hf_greedy, one_thread, random_draft  # noqa: F401 (one_thread: autouse fixture)
 from tests.tiny import tiny_llama
@@ -126,9 +127,6 @@ def test_max_new_tokens_one_and_single_prompt():
 def test_which_proposers_batch():
     """evaluate.py --batch hands a proposer to core/batched_chain.py by its `batches` (it names no family): EAGLE-3
     chains only; not its trees, not P-EAGLE (an Eagle3Proposer subclass drafting K in one forward), not n-grams."""
-    from core.speculative import NgramProposer
-    from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
-
     hf = tiny_llama(seed=0)
     draft, aux = random_draft(hf, 0)
     emb = hf.get_input_embeddings()

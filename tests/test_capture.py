@@ -5,16 +5,22 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from capture import FeaturesConfig, features
+from core.capture_io import read_jsonl_repair
 from core.regenerate import RegenConfig, _Deadline, regenerate, regenerate_batch, reply_slots
+from core.train_config import TrainConfig
 from data.chat import DataError
 from data.feature_store import FeatureStore, open_feature_store
+from models.target import Target, eos_ids, load_tokenizer
 from tests.test_train_e2e import final_params, run_train, train_rows
+from tests.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 CAP = ["--num-records", "60", "--max-len", "64", "--shard-mb", "1"]  # as run_train's data settings; 2 shards
@@ -52,10 +58,6 @@ def captured(tmp_path_factory, tiny_run_inputs):
 
 def test_defaults_match_train():
     """`capture.py features` and `train.py` must tokenize alike by default (sample ids line up)."""
-    from dataclasses import fields
-
-    from core.train_config import TrainConfig
-
     t, c = TrainConfig(), FeaturesConfig()
     for f in ("target", "data", "num_records", "max_len", "aux_layers"):
         assert getattr(c, f) == getattr(t, f), f
@@ -63,8 +65,6 @@ def test_defaults_match_train():
 
 
 def test_stored_features_are_the_targets(captured, tiny_run_inputs):
-    from models.target import Target
-
     out, res = captured
     store, examples = open_feature_store(out)
     assert res["complete"] and len(store.keys()) == 2 and res["tokens"] == sum(len(e.input_ids) for e in examples)
@@ -184,8 +184,6 @@ def test_offline_training_matches_online_packed(tmp_path, captured_256, tiny_run
 
 
 def test_offline_refuses_another_target(tmp_path, captured, tiny_run_inputs, smollm2_tokenizer):
-    from tests.tiny import tiny_llama
-
     other = tmp_path / "other"
     tiny_llama(vocab=len(smollm2_tokenizer), hidden=64, layers=4, heads=4, kv_heads=2, seed=1).save_pretrained(other)
     smollm2_tokenizer.save_pretrained(other)
@@ -208,8 +206,6 @@ def regen_cfg(target, data, out, **kw):
 
 
 def hf_greedy(model, tokenizer, messages, max_new_tokens):
-    from models.target import eos_ids
-
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     eos = eos_ids(model, tokenizer)
@@ -222,9 +218,7 @@ def hf_greedy(model, tokenizer, messages, max_new_tokens):
 
 @pytest.mark.parametrize("engine", ["hf", "slots"])
 def test_regenerate_is_hf_greedy_turn_by_turn(tmp_path, tiny_run_inputs, engine):
-    from transformers import AutoModelForCausalLM
-
-    from models.target import load_tokenizer
+    from transformers import AutoModelForCausalLM  # heavy: nothing this file imports loads transformers
 
     target, data = tiny_run_inputs
     out = tmp_path / "regen.jsonl"
@@ -343,7 +337,7 @@ def test_regenerate_counts_conversations_it_cannot_continue(tmp_path, tiny_run_i
     assert dropped == {"no_user": "no_user_turn", "long_first": "prompt_too_long"}
 
     # a target that only says end-of-text: every conversation is dropped as empty, none kept
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: nothing this file imports loads transformers
 
     mute = tmp_path / "mute"
     model = AutoModelForCausalLM.from_pretrained(target)
@@ -363,11 +357,7 @@ def test_regenerate_counts_conversations_it_cannot_continue(tmp_path, tiny_run_i
 
 
 def test_deadline_discards_an_unfinished_batch(tiny_run_inputs):
-    import time
-
-    from transformers import AutoModelForCausalLM
-
-    from models.target import load_tokenizer
+    from transformers import AutoModelForCausalLM  # heavy: nothing this file imports loads transformers
 
     target, _ = tiny_run_inputs
     model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), load_tokenizer(target)
@@ -380,8 +370,6 @@ def test_deadline_discards_an_unfinished_batch(tiny_run_inputs):
 def test_regen_output_repair_and_damaged_lines(tmp_path):
     """A partial last line (a crash mid-write) is cut off; a damaged line in the middle stops the
     resume with its file and line number and leaves the file untouched."""
-    from core.capture_io import read_jsonl_repair
-
     p = tmp_path / "regen.jsonl"
     p.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "mess')
     assert [r["id"] for r in read_jsonl_repair(p)] == [1, 2]

@@ -1,11 +1,22 @@
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from core.train_config import TrainConfig
+from data.benchmarks import load_prompts
 from data.chat import DataError
-from data.datasets import GlobalBatches, build_examples, load_records, read_truncated_json_array
+from data.datasets import (
+    DEFAULT_DATA,
+    PACKAGED,
+    GlobalBatches,
+    build_examples,
+    load_records,
+    read_truncated_json_array,
+    tokenize_workers,
+)
 from data.selfinstruct import BenchmarkGuard, benchmark_prompts
 
 
@@ -40,7 +51,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 
 
 def test_jsonl_and_parquet_load_the_same(tmp_path):
-    import datasets
+    import datasets  # optional and slow: Hugging Face datasets (~2 s to import), only to write Parquet
 
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -90,11 +101,6 @@ def test_global_batches_deterministic_and_rank_split():
 
 @pytest.mark.parametrize("name,n", [("sharegpt-greedy", 16808), ("sharegpt-regen", 3390)])
 def test_packaged_regenerated_chats(name, n):
-    import json
-
-    from core.train_config import TrainConfig
-    from data.datasets import DEFAULT_DATA, PACKAGED
-
     assert TrainConfig().data == DEFAULT_DATA == "sharegpt-greedy"
     recs = load_records(name)
     prov = json.loads((PACKAGED[name].parent / "regen.provenance.json").read_text())
@@ -123,8 +129,7 @@ def test_unsupported_format_is_named_not_malformed_json(tmp_path):
 
 
 def test_gzipped_jsonl_and_directories_load(tmp_path):
-
-    import datasets
+    import datasets  # optional and slow: Hugging Face datasets (~2 s to import), only to write Parquet
 
     rows = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -164,8 +169,6 @@ def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
     """τ is measured on MT-Bench, HumanEval and GSM8K (and unseen ShareGPT prompts): none of their
     prompts (first 80 characters, whitespace and case normalised) may occur in a user turn of the
     regenerated training sets."""
-    from data.benchmarks import load_prompts
-
     norm = lambda t: " ".join(t.split()).lower()
     for name in ("sharegpt-greedy", "sharegpt-regen"):
         blob = "\n".join(norm(m["content"]) for r in load_records(name) for m in r["messages"] if m["role"] == "user")
@@ -186,10 +189,6 @@ def test_benchmark_prompts_are_not_in_the_packaged_training_chats():
 def test_parallel_tokenization_equals_serial(smollm2_tokenizer):
     """build_examples over a pool of processes: the same examples in the same order and the same counts;
     a bad record is reported by its index in the whole list, the first bad one in record order."""
-    from collections import Counter
-
-    from data.datasets import tokenize_workers
-
     recs = load_records("sharegpt-greedy", 240)
     s1, s3 = Counter(), Counter()
     serial, parallel = (
