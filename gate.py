@@ -203,7 +203,8 @@ def check_options(cfg: GateConfig):
             with contextlib.redirect_stderr(box), contextlib.redirect_stdout(box):
                 tyro.cli(TrainConfig, args=list(cfg.train_args))
         except SystemExit:
-            said = re.sub(r"[│╭╰─╮╯]|-{3,}|For full helptext.*", " ", box.getvalue())
+            # (the closing "For full helptext, run PROG --help" wraps onto a second line when PROG's path is long)
+            said = re.sub(r"[│╭╰─╮╯]|-{3,}|For full helptext.*", " ", box.getvalue(), flags=re.S)
             said = "; ".join(dict.fromkeys(x.strip() for x in said.splitlines() if x.strip()))
             raise InputError(f"--train-args {' '.join(cfg.train_args)!r}: not train.py flags ({said[:300]})") from None
     if cfg.vllm_venv and (why := vllm_spec.venv_problem(vllm_venv(cfg))):  # it was deleted whole before the build
