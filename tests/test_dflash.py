@@ -2,12 +2,17 @@
 run on its own, through the inference path, over exactly the context before its anchor), D-PACE
 weights from their definition, flex == dense, and an overfit run on a tiny random target."""
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import export
+from core.speculative import TargetRunner, speculative_generate
 from models.dflash import (
+    BlockProposer,
     DFlashConfig,
     DFlashDraft,
     block_counts,
@@ -17,6 +22,7 @@ from models.dflash import (
     sample_anchors,
 )
 from models.dspark import DSparkConfig, DSparkDraft
+from models.proposer import Proposer
 from tests.tiny import tiny_llama, tiny_target_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -194,10 +200,6 @@ def test_overfit_tiny_target(objective):
 def test_block_proposer_is_greedy_and_caches_context_exactly():
     """Speculative decoding with a DFlash draft returns the target's greedy tokens, and the
     draft's incrementally extended context k/v equals one computed from scratch."""
-    from core.speculative import TargetRunner, speculative_generate
-    from models.dflash import BlockProposer
-    from models.proposer import Proposer
-
     draft, *_ = setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)
     runner = TargetRunner(hf, draft.config.aux_layers)
@@ -219,10 +221,6 @@ def test_block_proposer_is_greedy_and_caches_context_exactly():
 def save_run(root, draft, hf, strategy):
     """A run dir as train.py writes it (ckpt/step_N/{draft.safetensors, config.json}) next to the
     saved target."""
-    import json
-
-    from safetensors.torch import save_file
-
     tdir = root / "target"
     hf.save_pretrained(tdir)
     step = root / "run" / "ckpt" / "step_3"
@@ -248,10 +246,6 @@ def test_export_vllm_format_and_load_back(tmp_path):
     """fp32 export -> load_exported gives the same tensors and logits; config.json carries the
     fields vLLM 0.32's qwen3_dflash.py reads (architecture, block_size, dflash_config with the
     mask token and target_layer_ids, which vLLM shifts by +1 into hidden_states indices)."""
-    import json
-
-    import export
-
     draft, _, _, target, _ = setup(seed=6, K=3)
     hf = tiny_llama(seed=6, hidden=32, heads=4)
     run = save_run(tmp_path, draft, hf, "dflash")
@@ -262,8 +256,6 @@ def test_export_vllm_format_and_load_back(tmp_path):
         cfg["dflash_config"]["mask_token_id"] == 5
         and cfg["dflash_config"]["target_layer_ids"] == draft.config.aux_layers
     )
-    from safetensors.torch import load_file
-
     names = set(load_file(out / "model.safetensors"))
     assert {
         "fc.weight",

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.config import cli
 from core.disagg.control import Controller, PipelineError, plan_items
+from core.train_config import TrainConfig
 from data.datasets import GlobalBatches
 from data.feature_store import SampleRef
 from tests.test_train_e2e import final_params, run_train
@@ -145,9 +147,6 @@ def test_rollback_requeues_untrained_steps(tmp_path):
 
 
 def test_yaml_config_with_overrides(tmp_path):
-    from core.config import cli
-    from core.train_config import TrainConfig
-
     y = tmp_path / "run.yaml"
     y.write_text("lr: 0.01\naux_layers: [1, 2]\ndeploy:\n  producers: 2\n  high_watermark: 64\nrole: consumer\n")
     cfg = cli(TrainConfig, ["--config", str(y), "--lr", "0.5", "--low-watermark", "8"])
@@ -330,7 +329,7 @@ def test_two_consumer_ranks_match_one(tmp_path, colocated, tiny_run_inputs):
 
 def _mooncake_missing() -> str:
     try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401  # optional: probes whether mooncake is installed
     except ImportError as e:  # not installed, or its libibverbs.so.1 is missing
         return f"mooncake store unavailable: {e}"
     return ""

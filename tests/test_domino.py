@@ -5,9 +5,14 @@ speculation, checkpoint load and the export refusal."""
 import pytest
 import torch
 
+import export
+from core.speculative import TargetRunner, proposer_for, speculative_generate
 from models.dflash import block_counts
 from models.domino import DominoConfig, DominoDraft, curriculum
+from models.families import load_draft
+from models.proposer import Proposer
 from tests.test_dflash import overfit, save_run, setup
+from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -115,12 +120,6 @@ def test_overfit_tiny_target():
 
 
 def test_speculation_is_greedy_exact_and_checkpoint_loads(tmp_path):
-    import export
-    from core.speculative import TargetRunner, proposer_for, speculative_generate
-    from models.families import load_draft
-    from models.proposer import Proposer
-    from tests.tiny import tiny_llama
-
     draft, *_ = domino_setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)
     runner = TargetRunner(hf, draft.config.aux_layers)

@@ -9,7 +9,7 @@ import torch
 from data.prefetch import Prefetcher
 from models.eagle3 import local_counts, select_rows
 from tests.test_eagle3_ttt import setup
-from tests.test_train_e2e import run_train, train_rows
+from tests.test_train_e2e import final_params, run_train, train_rows
 from tests.tiny import to_device
 
 
@@ -112,8 +112,6 @@ def test_train_compiled_backend_and_step_follow_hf(tmp_path, tiny_run_inputs):
 def test_train_compiled_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
     """--compile with two gloo ranks (the FSDP2-wrapped draft compiled) trains like one compiled rank on
     the same global batch: loss, per-step metrics, gradient norm and the final weights (~5 min on 2 cores)."""
-    from tests.test_train_e2e import final_params
-
     target, data = tiny_run_inputs
     run_train(tmp_path / "one", target, data, 1, ["--steps", "3", "--compile"])
     run_train(tmp_path / "two", target, data, 2, ["--steps", "3", "--compile"])

@@ -3,13 +3,29 @@ against a per-block plain reference (Markov head and confidence by hand), overfi
 tiny target generated itself, greedy-exact speculation (with and without confidence cuts), and
 the vLLM Qwen3DSparkModel export round trip."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
+import export
+from core.speculative import TargetRunner, proposer_for, speculative_generate
 from data.datasets import Example, collate
 from models.dflash import block_counts, block_family_batch, block_host
-from models.dspark import CE_ALPHA, CONF_ALPHA, FAMILY, GAMMA, L1_ALPHA, DSparkConfig, DSparkDraft, prefix_rows
+from models.dspark import (
+    CE_ALPHA,
+    CONF_ALPHA,
+    FAMILY,
+    GAMMA,
+    L1_ALPHA,
+    DSparkConfig,
+    DSparkDraft,
+    DSparkProposer,
+    prefix_rows,
+)
+from models.proposer import Proposer
 from models.target import Target
 from tests.test_dflash import block_logits as dflash_block_logits  # noqa: F401  (same inference path)
 from tests.test_dflash import overfit, save_run, setup
@@ -122,10 +138,6 @@ def test_overfit_target_generated_data():
 
 @pytest.mark.parametrize("min_survival", [0.0, 0.5])
 def test_speculation_is_greedy_exact(min_survival):
-    from core.speculative import TargetRunner, proposer_for, speculative_generate
-    from models.dspark import DSparkProposer
-    from models.proposer import Proposer
-
     draft, *_ = dspark_setup(seed=5, K=3)
     hf = tiny_llama(seed=5, hidden=32, heads=4)
     runner = TargetRunner(hf, draft.config.aux_layers)
@@ -147,12 +159,6 @@ def test_speculation_is_greedy_exact(min_survival):
 def test_export_vllm_format_and_load_back(tmp_path):
     """fp32 export -> load_exported gives the same tensors, logits and confidence; config.json
     and tensor names are those vLLM 0.32's qwen3_dspark.py reads."""
-    import json
-
-    from safetensors.torch import load_file
-
-    import export
-
     draft, _, _, target, _ = dspark_setup(seed=6, K=3)
     hf = tiny_llama(seed=6, hidden=32, heads=4)
     out = export.export(save_run(tmp_path, draft, hf, "dspark"), tmp_path / "served", dtype="fp32")

@@ -7,10 +7,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import export
 from models.eagle3 import LK_KL_DECAY, LK_KL_SCALE, Eagle3Config, Eagle3Draft, local_counts
 from tests.test_eagle3_ttt import setup
+from tests.test_export import draft_outputs, make_checkpoint
+from tests.test_train_e2e import assert_runs_agree, final_params, run_train
 
 
 def eagle31(draft: Eagle3Draft, fc_norm=True, norm_output=True, seed=0) -> Eagle3Draft:
@@ -121,13 +124,9 @@ def test_lk_alpha_lowers_the_loss_it_reports():
 
 
 def test_export_writes_eagle31_fields(tmp_path):
-    from tests.test_export import draft_outputs, make_checkpoint
-
     run, d, _ = make_checkpoint(tmp_path)
     d31 = eagle31(d)
     step = run / "ckpt" / "step_7"
-    from safetensors.torch import save_file
-
     save_file({k: v.contiguous() for k, v in d31.state_dict().items()}, step / "draft.safetensors")
     meta = json.loads((step / "config.json").read_text())
     meta["draft"] = d31.config.to_dict()
@@ -135,8 +134,6 @@ def test_export_writes_eagle31_fields(tmp_path):
     out = export.export(run, tmp_path / "served", dtype="fp32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # the fields vLLM's llama_eagle3 reads
-    from safetensors.torch import load_file
-
     sd = load_file(out / "model.safetensors")
     assert [k for k in sd if k.startswith("fc_norm")] == [
         f"fc_norm.{i}.weight" for i in range(len(d.config.aux_layers))
@@ -149,8 +146,6 @@ def test_export_writes_eagle31_fields(tmp_path):
 
 def test_lk_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
     """The LK batch mean is global: two gloo ranks follow the one-rank run (EAGLE-3.1 on)."""
-    from tests.test_train_e2e import assert_runs_agree, final_params, run_train
-
     target, data = tiny_run_inputs
     extra = ["--steps", "3", "--objective", "lk-alpha", "--fc-norm", "--norm-output"]
     run_train(tmp_path / "one", target, data, 1, extra)

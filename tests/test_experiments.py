@@ -3,12 +3,18 @@ evaluates one run and appends one row, a second call skips it, and plot.py draws
 
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from core.config import DeployConfig, cli, to_flags
+from core.train_config import TrainConfig
+from experiments.multi_gpu import train_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,8 +86,6 @@ def families(tmp_path_factory, tiny_run_inputs):
 def test_families_one_row_per_run(families):
     """One row per run; per K, τ >= 1 on every benchmark, a measured draft cost c > 0, speed-up = τ / (1 + c)
     per benchmark, and per-position acceptance rates that fall with the position and add up to τ - 1."""
-    import math
-
     rows = list(csv.DictReader(open(families)))
     assert sorted(r["setting"] for r in rows) == ["dflash", "eagle3"]
     for r in rows:
@@ -234,7 +238,7 @@ def test_reply_stats(tmp_path):
     """The repetition measure behind the data-regeneration reading: a reply looping one 4-word
     phrase scores high, a reply with no repeated 4-gram scores 0; only assistant turns count."""
     sys.path.insert(0, str(ROOT / "experiments"))
-    import data_regen
+    import data_regen  # after sys.path.insert: experiments/ is not a package
 
     assert data_regen.repetition("a b c d a b c d") == pytest.approx(1 / 5)  # 5 four-grams, abcd twice
     assert data_regen.repetition("one two three") == 0.0  # shorter than one 4-gram
@@ -275,7 +279,7 @@ def test_train_throughput_takes_the_ratio_from_an_earlier_call(tmp_path):
     """A comparison split over device calls: train.py's row finds the latest harness row of the same model,
     length, TTT and GPU in --out, and no other."""
     sys.path.insert(0, str(ROOT / "experiments"))
-    from train_throughput import earlier_harness
+    from train_throughput import earlier_harness  # after sys.path.insert: experiments/ is not a package
 
     common = {"model": "llama-3.1-8b", "seq": 4096, "ttt": 7, "hardware": {"gpu": "NVIDIA H200"}}
     rows = [
@@ -295,12 +299,6 @@ def test_train_throughput_takes_the_ratio_from_an_earlier_call(tmp_path):
 def test_train_flags_come_from_train_config():
     """config.to_flags: the flags that give a TrainConfig (what experiment scripts start train.py with) read back
     as that config through train.py's own CLI; multi_gpu.py builds its runs' flags so."""
-    from types import SimpleNamespace
-
-    from core.config import DeployConfig, cli, to_flags
-    from core.train_config import TrainConfig
-    from experiments.multi_gpu import train_flags
-
     cfg = TrainConfig(
         steps=3,
         lr=1e-4,

@@ -147,7 +147,7 @@ def test_names_shapes_and_config_match_vllm_loader(tmp_path, with_embeddings):
     # d2t is an offset table: target id = draft id + d2t
     assert torch.equal(torch.arange(c.draft_vocab_size) + sd["d2t"], d.draft_ids)
     # transformers parses it as a Llama config (the engines go through AutoConfig)
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy (transformers): not at module import
 
     hc = AutoConfig.from_pretrained(out)
     assert hc.model_type == "llama" and hc.num_hidden_layers == 1 and hc.draft_vocab_size == c.draft_vocab_size

@@ -6,6 +6,10 @@ the batches are built on the CPU exactly as the CPU tests build them, then moved
 import pytest
 import torch
 
+from models.dflash import block_counts
+from models.peagle import peagle_counts
+from tests.test_dflash import setup as dflash_setup
+from tests.test_peagle import setup as peagle_setup
 from tests.tiny import to_device
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
@@ -29,10 +33,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("objective", ["ce", "dpace"])
 def test_dflash_flex_gradients_equal_dense(objective):
-    from models.dflash import block_counts
-    from tests.test_dflash import setup
-
-    draft, batch, *_ = setup(seed=3, K=3, hidden=64, heads=4, n_examples=4, max_len=150)
+    draft, batch, *_ = dflash_setup(seed=3, K=3, hidden=64, heads=4, n_examples=4, max_len=150)
     draft, batch = draft.cuda(), to_device(batch)
     counts = block_counts(batch)
     runs = [
@@ -43,10 +44,7 @@ def test_dflash_flex_gradients_equal_dense(objective):
 
 
 def test_peagle_flex_gradients_equal_dense():
-    from models.peagle import peagle_counts
-    from tests.test_peagle import setup
-
-    draft, batch, *_ = setup(seed=3, K=4, hidden=64, heads=4, max_len=150)
+    draft, batch, *_ = peagle_setup(seed=3, K=4, hidden=64, heads=4, max_len=150)
     draft, batch = draft.cuda(), to_device(batch)
     counts = peagle_counts(batch, draft.K)
     runs = [loss_and_grads(draft, lambda a=a: draft(batch, counts, attention=a)) for a in ("dense", "flex")]

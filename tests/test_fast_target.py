@@ -3,6 +3,8 @@ normed) on tiny random Llama (llama3 rope scaling, GQA), Qwen2 (q/k/v biases), Q
 and Qwen3-MoE (mixed dense/sparse layers) models: padded batches, packed rows, whole rows,
 the MoE fallback, loading from a safetensors directory, early stop, and compiled layers."""
 
+import copy
+import json
 import os
 import subprocess
 import sys
@@ -11,19 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.features import load_target, pick_backend
 from data.chat import Example
 from data.packing import pack
+from models.dflash import DFlashConfig
+from models.eagle3 import Eagle3Config
 from models.fast_target import PRESETS, FastTarget, TargetConfig
-from models.layers import rope_inv_freq
+from models.layers import layer_shape, rope_inv_freq, rope_parameters
 from models.target import Target
-from tests.tiny import LLAMA3_SHORT_ROPE, TINY_TARGET_SHAPE
+from tests.tiny import LLAMA3_SHORT_ROPE, TINY_TARGET_SHAPE, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol is scaled by the reference's largest value (hidden states reach ~15)
 
 
 def hf_model(kind: str, seed=0):
-    import transformers as tf
+    import transformers as tf  # heavy (transformers): not at module import
 
     common = dict(TINY_TARGET_SHAPE, num_hidden_layers=6, tie_word_embeddings=False)
     if kind == "llama":
@@ -192,7 +197,7 @@ def test_random_init_and_presets():
     assert m.is_moe(0) and m.num_experts == 128 and m.norm_topk_prob and m.qk_norm
     assert TargetConfig.preset("qwen3-8b").qk_norm and not TargetConfig.preset("qwen3-8b").qkv_bias
     hf_cfg = c.to_hf()  # the HF config of a preset: same rope as ours
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # heavy (transformers): not at module import
 
     inv_hf, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     inv, our_scale = rope_inv_freq(c)
@@ -227,8 +232,6 @@ def test_cuda_bf16_eager_compiled_and_cudagraphs(kind):
     """On the GPU in bf16: ours eager (padded + whole rows), compiled, and compiled with CUDA graphs
     are each no further from the fp32 truth than HF's own bf16 forward (x2: bf16 rounding alone puts
     both ~2% away in relative L2, and flips a few MoE routing ties); MoE experts run torch._grouped_mm."""
-    import copy
-
     torch._dynamo.reset()
     hf32 = hf_model(kind, seed=6).cuda()
     hf = copy.deepcopy(hf32).to(torch.bfloat16)
@@ -262,10 +265,6 @@ def test_cuda_bf16_eager_compiled_and_cudagraphs(kind):
 def test_backend_auto_picks_compiled_on_gpu_where_it_builds(tmp_path):
     """train.py --backend auto: compiled on a GPU for an architecture FastTarget builds from safetensors,
     hf with the reason otherwise, and always hf on CPU (the reference; compiling pays only on a GPU)."""
-    import json
-
-    from core.features import load_target, pick_backend
-
     llama = tmp_path / "llama"
     hf_model("llama").save_pretrained(llama)
     assert pick_backend(llama, "cuda") == ("compiled", None)
@@ -289,11 +288,6 @@ def test_layer_shape_reads_an_hf_config_and_its_json_alike():
     """models/layers.layer_shape is the one reader of a target layer's shape (the EAGLE-3 and DFlash drafts, the
     compiled target): an HF config and its config.json dict give the same fields; kv heads and head_dim are
     derived where a config omits them; an old-style rope (rope_theta + rope_scaling) reads as rope_parameters."""
-    from models.dflash import DFlashConfig
-    from models.eagle3 import Eagle3Config
-    from models.layers import layer_shape, rope_parameters
-    from tests.tiny import tiny_llama
-
     hf = tiny_llama(seed=0)
     d = hf.config.to_dict()
     assert layer_shape(hf.config) == layer_shape(d)

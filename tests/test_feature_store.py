@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+import data.feature_store as fs
 from data.feature_store import FEATURE_FIELDS, FeatureStore, StoreError, feature_schema, plan_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +105,6 @@ store.put("crashed", samples([6])[0], samples=[(1, 6)])
 
 
 def test_failed_write_in_process_cleans_up(tmp_path, monkeypatch):
-    import data.feature_store as fs
-
     store = FeatureStore(tmp_path, schema())
 
     def half_write(tensors, path, metadata=None):
@@ -145,8 +145,6 @@ def test_mismatched_shard_is_named(tmp_path):
         StoreError, match=r"shard .*a/shards/k.safetensors: written for a different store schema \(aux_layers"
     ):
         store.get("k")
-
-    from safetensors.torch import save_file
 
     s = samples([4])[0]
     header = {"schema": store.schema, "writer": "x", "meta": {}, "samples": [[0, 4]]}
@@ -223,8 +221,6 @@ def test_bytes_damaged_in_place_fail_the_checksum(tmp_path, monkeypatch, algo):
     """Overwriting data bytes keeps a well-formed shard (same header, shapes, size): only the
     per-tensor checksum written at put time catches it. The error names the file and tensor, the
     file is left as it is, and the undamaged tensors of the shard still read."""
-    import data.feature_store as fs
-
     monkeypatch.setattr(fs, "_ALGO", algo)  # sha256: the fallback without xxhash
     store = FeatureStore(tmp_path, schema(hidden=256))
     s = samples([30], hidden=256)[0]
@@ -258,8 +254,6 @@ def test_bytes_damaged_in_place_fail_the_checksum(tmp_path, monkeypatch, algo):
 
 
 def test_checksum_is_checked_once_per_file(tmp_path, monkeypatch):
-    import data.feature_store as fs
-
     store = FeatureStore(tmp_path, schema())
     store.put("k", samples([9])[0], samples=[(0, 4), (1, 5)])
     calls = []
@@ -274,8 +268,6 @@ def test_checksum_is_checked_once_per_file(tmp_path, monkeypatch):
 
 def test_shards_without_checksums_still_read(tmp_path):
     """Shards written before checksums existed have no 'nanospec_checksums' metadata: readable, unchecked."""
-    from safetensors.torch import save_file
-
     store = FeatureStore(tmp_path, schema())
     s = samples([4])[0]
     header = {"schema": store.schema, "writer": "old", "meta": {}, "samples": [[0, 4]]}

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels.ce
+from kernels.fused_ce import fused_linear_soft_ce
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -34,8 +37,6 @@ def test_triton_path_under_interpreter():
 
 @pytest.fixture(scope="module")
 def ce():
-    import kernels.ce
-
     return kernels.ce
 
 
@@ -157,8 +158,6 @@ def test_noncontiguous_inputs(ce, impl, layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N,H,V,chunk", [(47, 24, 31, 16), (123, 40, 1000, 32)])
 def test_fused_linear_soft_ce(ce, impl, N, H, V, chunk, dtype, masked):
-    from kernels.fused_ce import fused_linear_soft_ce
-
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(N, H, generator=g).to(dtype)
     weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)

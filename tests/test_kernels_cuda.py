@@ -8,6 +8,10 @@ kernel must be about as accurate as the eager bf16 reference (error <= 2x eager'
 import pytest
 import torch
 
+import kernels.ce
+from kernels.fused_ce import fused_linear_soft_ce
+from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -45,8 +49,6 @@ def _upcast(q, ks, vs):
 @pytest.mark.parametrize("impl", ["flex", "lse"])
 @pytest.mark.parametrize("T,k", [(256, 0), (256, 3), (1000, 1), (1000, 6)])
 def test_ttt_attention_grads_bf16(impl, T, k):
-    from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
-
     fn = ttt_attention_flex if impl == "flex" else ttt_attention_lse
     q, ks, vs = _ttt_inputs(T, k)
     truth = _fwd_bwd(ttt_attention_eager, *_upcast(q, ks, vs))
@@ -57,8 +59,6 @@ def test_ttt_attention_grads_bf16(impl, T, k):
 
 
 def test_ttt_attention_lse_fp32_efficient_path():
-    from kernels.ttt_attention import ttt_attention_eager, ttt_attention_lse
-
     q, ks, vs = _ttt_inputs(333, 3, dtype=torch.float32)
     for a, b in zip(_fwd_bwd(ttt_attention_lse, q, ks, vs), _fwd_bwd(ttt_attention_eager, q, ks, vs)):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # TF32-free kernels, fp32 softmax
@@ -67,8 +67,6 @@ def test_ttt_attention_lse_fp32_efficient_path():
 def test_ttt_attention_flex_lengths_grads():
     """Right padding: padded query rows are 0 and pass no gradient; valid rows and all
     gradients match eager run on the valid prefix only."""
-    from kernels.ttt_attention import ttt_attention_eager, ttt_attention_flex
-
     T, k, L = 300, 2, 211
     q, ks, vs = _ttt_inputs(T, k)
     out = ttt_attention_flex(q, ks, vs, lengths=torch.tensor([L], device="cuda"))
@@ -103,8 +101,6 @@ def _packed_doc_ids(T, B=2):
 def test_ttt_attention_flex_document_grads(impl, T, k):
     """Packed rows: flex (concatenated K/V, and the buffered TTTFlexAttention) with the document block mask,
     forward and every gradient, against the dense eager reference with the same document mask."""
-    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex
-
     doc = _packed_doc_ids(T)
     g = torch.Generator(device="cuda").manual_seed(2)
 
@@ -130,11 +126,9 @@ def test_ttt_attention_flex_document_grads(impl, T, k):
 
 # --------------------------------------------------------------------------- cross-entropy
 def _ce_module():
-    import kernels.ce as ce
-
-    if type(ce._ce_fwd_kernel).__name__ != "JITFunction":
+    if type(kernels.ce._ce_fwd_kernel).__name__ != "JITFunction":
         pytest.skip("kernels.ce was built by the Triton interpreter in this process")
-    return ce
+    return kernels.ce
 
 
 def _ce_data(N, V, dtype, seed=0):
@@ -210,8 +204,6 @@ def test_soft_ce_under_compile():
 @pytest.mark.parametrize("N,H,V,chunk", [(123, 64, 1000, 32), (4096, 1024, 32000, 1024)])
 def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
     _ce_module()
-    from kernels.fused_ce import fused_linear_soft_ce
-
     g = torch.Generator(device="cuda").manual_seed(3)
     hidden = torch.randn(N, H, device="cuda", generator=g).to(dtype)
     weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype)
@@ -236,8 +228,6 @@ def test_fused_linear_soft_ce_gpu(N, H, V, chunk, dtype):
 def test_ttt_flex_buffer_unroll_grads(T, n):
     """TTTFlexAttention over a whole unroll (each step's K/V written once into shared buffers):
     outputs and all gradients equal the concatenating flex path's, bf16."""
-    from kernels.ttt_attention import TTTFlexAttention, ttt_attention_flex
-
     g = torch.Generator(device="cuda").manual_seed(2)
 
     def mk(h):

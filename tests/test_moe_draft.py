@@ -6,10 +6,15 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch
+from data.vocab import build_vocab_mapping, count_tokens
+from export import ExportError, export, load_checkpoint
+from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, make_batch, step_masks
 from models.layers import param_count
 from models.moe import MoEMLP, mlp_flops_per_token, moe_expert_size
+from tests.test_eagle3_ttt import brute_force
+from tests.tiny import tiny_target_batch
 
 H, I = 24, 48  # I divides by 2, 3, 4 and 5
 
@@ -115,9 +120,6 @@ def test_load_balancing_loss():
 
 
 def _tiny_setup(seed, **moe):
-    from data.vocab import build_vocab_mapping, count_tokens
-    from tests.tiny import tiny_target_batch
-
     hf, target, examples, b = tiny_target_batch(seed)
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), 40)
     draft = Eagle3Draft(Eagle3Config.from_target(hf.config, 40, target.aux_layers, **moe))
@@ -131,8 +133,6 @@ def _tiny_setup(seed, **moe):
 def test_moe_ttt_matches_brute_force():
     """The MoE MLP is per token, so the TTT contract holds: equal to drafting step by step
     through the KV cache (without the aux loss, which the brute force does not add)."""
-    from tests.test_eagle3_ttt import brute_force
-
     draft, batch, lengths = _tiny_setup(0, moe_experts=3, moe_shared=True, moe_aux_coef=0.0)
     ttt = 3
     loss, _ = draft(batch, ttt, local_counts(batch, draft.t2d, ttt))
@@ -165,8 +165,6 @@ def test_moe_draft_overfits():
 
 
 def brute_force_entropy(batch, t2d, k):
-    from models.eagle3 import step_masks
-
     _, loss_mask = step_masks(batch, t2d, k + 1)[k]
     B, T, _ = batch.target_p.shape
     p = torch.zeros_like(batch.target_p)
@@ -176,10 +174,6 @@ def brute_force_entropy(batch, t2d, k):
 
 
 def test_export_refuses_moe_but_loads_it(tmp_path):
-    from safetensors.torch import save_file
-
-    from export import ExportError, export, load_checkpoint
-
     c = config(moe_experts=2, moe_mode="params")
     draft = Eagle3Draft(c)
     draft.d2t.copy_(torch.arange(20) * 2 - torch.arange(20))  # draft id i -> target id 2i

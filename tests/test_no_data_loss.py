@@ -4,15 +4,21 @@
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import export
+import train
+from capture import RegenConfig, regenerate
+from core.capture_io import read_jsonl_repair
+from tests.test_bad_input import cfg_of, main_fails
 from tests.test_export import make_checkpoint
-from tests.test_train_e2e import ROOT
+from tests.test_train_e2e import ROOT, run_train
 
 
 def tree(d: Path) -> dict:
@@ -100,8 +106,6 @@ def test_export_never_replaces_the_run_it_reads(tmp_path, where):
 
 
 def test_export_out_a_file_or_read_only(tmp_path, monkeypatch):
-    import tempfile
-
     run, _, _ = make_checkpoint(tmp_path)
     f = tmp_path / "afile"
     f.write_text("x")
@@ -150,8 +154,6 @@ def test_import_refuses_an_existing_run(tmp_path):
 
 # ---------------------------------------------------------------- capture.py regenerate --out
 def regen_cfg(target, data, out, **kw):
-    from capture import RegenConfig
-
     base = dict(target=str(target), data=str(data), out=str(out), num_records=4, max_new_tokens=4, batch_size=2)
     return RegenConfig(**{**base, **kw})
 
@@ -187,8 +189,6 @@ def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, tiny_run_inputs, n
 
 
 def test_regenerate_refuses_other_provenance(tmp_path, tiny_run_inputs):
-    from capture import regenerate
-
     target, data = tiny_run_inputs
     out = tmp_path / "p.jsonl"
     out.write_text('{"id": "si0-00000-0000"}\n{"id": "si0-00000-0001"')
@@ -205,8 +205,6 @@ def test_regenerate_refuses_other_provenance(tmp_path, tiny_run_inputs):
 
 
 def test_resume_repair_keeps_a_whole_last_record(tmp_path):
-    from core.capture_io import read_jsonl_repair
-
     p = tmp_path / "r.jsonl"
     p.write_text('{"id": 1}\n{"id": 2}')  # whole, only its newline missing
     assert [r["id"] for r in read_jsonl_repair(p)] == [1, 2]
@@ -225,9 +223,6 @@ def test_resume_repair_keeps_a_whole_last_record(tmp_path):
 def test_resume_never_starts_the_record_over(tmp_path, tiny_run_inputs, monkeypatch, run_json, message):
     """Before: a missing run.json made --resume delete metrics.jsonl (the whole history); a damaged one
     was a traceback after the target and data had loaded."""
-    import train
-    from tests.test_bad_input import cfg_of, main_fails
-
     out = tmp_path / "run"
     (out / "ckpt" / "step_2").mkdir(parents=True)
     (out / "ckpt" / "latest").write_text("step_2")
@@ -244,16 +239,12 @@ def test_resume_never_starts_the_record_over(tmp_path, tiny_run_inputs, monkeypa
 def test_resume_after_a_kill_rewrites_the_steps_after_the_checkpoint(tmp_path, tiny_run_inputs):
     """kill -9 after step 3 was logged, before its checkpoint (the last is step_2): --resume truncates
     metrics.jsonl (and hides TensorBoard's events) after step 2, so the record equals one run's."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from tests.test_train_e2e import run_train
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional: tensorboard
 
     target, data = tiny_run_inputs
     run_train(tmp_path / "full", target, data, 0, ["--steps", "5", "--ckpt-every", "2"])
     out = tmp_path / "killed"
     run_train(out, target, data, 0, ["--steps", "5", "--ckpt-every", "2", "--stop-after", "3"])
-    import shutil
-
     shutil.rmtree(out / "ckpt" / "step_3")  # as a kill before the checkpoint leaves it
     (out / "ckpt" / "latest").write_text("step_2")
     with open(out / "metrics.jsonl", "a") as f:
@@ -293,8 +284,6 @@ def test_capture_features_of_an_empty_file_fails(tmp_path, tiny_run_inputs):
     ],
 )
 def test_regenerate_refuses_bad_numbers_before_loading(tmp_path, kw, message):
-    from capture import regenerate
-
     with pytest.raises(SystemExit) as e:
         regenerate(regen_cfg("/no/target", "/no/data.jsonl", tmp_path / "r.jsonl", **kw))
     assert str(e.value.code).startswith(message)

@@ -5,18 +5,26 @@ and objective, and perturbing one document changes nothing for its row-mates. tr
 == unpacked on the same conversations, families that cannot pack refuse it, run.json records
 the packing efficiency, metrics.jsonl the throughput."""
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from data.chat import Example
+from core import runlog
+from core.train_config import ConfigError, TrainConfig, packing_blocker
+from core.trainer import Trainer
+from data.chat import DataError, Example
 from data.datasets import collate
-from data.packing import first_fit_decreasing, pack, pad_batch_rows, pad_rows
+from data.packing import TokenBatches, bucket_rows, first_fit_decreasing, pack, pad_batch_rows, pad_rows, plan_rows
 from data.vocab import build_vocab_mapping
 from models.eagle3 import FAMILY as EAGLE3
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
+from models.families import FAMILIES
 from models.fast_target import FastTarget
+from models.peagle import FAMILY as PEAGLE
+from models.peagle import PEagleConfig, PEagleDraft, peagle_counts, peagle_host
 from models.target import Target
 from tests.test_fast_target import hf_model
 from tests.test_train_e2e import final_params, run_train, train_rows
@@ -225,13 +233,11 @@ def test_eagle3_row_mates_unaffected():
 
 # ---------------------------------------------------------------- P-EAGLE
 def _peagle_step(target, draft, b, attention="dense", grad=True):
-    from models.peagle import FAMILY, peagle_counts, peagle_host
-
     b = peagle_host(
         dict(b), draft.K, lambda i: torch.Generator().manual_seed(100 + i)
     )  # per example, as train.py seeds them
     feats = _features(target, b)
-    batch = FAMILY.make_batch(feats, b, target, draft)
+    batch = PEAGLE.make_batch(feats, b, target, draft)
     counts = peagle_counts(batch, draft.K)
     draft.zero_grad()
     with torch.set_grad_enabled(grad):
@@ -244,8 +250,6 @@ def _peagle_step(target, draft, b, attention="dense", grad=True):
 def test_peagle_packed_equals_one_conversation_per_row():
     """P-EAGLE: the same rollouts drawn per conversation, moved into packed rows: same loss, sums, accuracies,
     counts and gradients (dense path; flex forward too), and row-mates' elements never see each other."""
-    from models.peagle import PEagleConfig, PEagleDraft
-
     target, _, ex = _draft_setup(seed=5)
     c = PEagleConfig.from_target(target.config, 64, target.aux_layers, mask_token_id=7, depths=3)
     torch.manual_seed(0)
@@ -270,8 +274,6 @@ def test_peagle_packed_equals_one_conversation_per_row():
 # ------------------------------------------------------------ every family through its strategy (what train.py runs)
 def _strategy_step(name, cfg, target, draft, b, device=CPU, module=None):
     """module: what runs the step (train.py's draft_step, torch.compile(draft) under --compile); default the draft."""
-    from models.families import FAMILIES
-
     s = FAMILIES[name]
     b = s.host(dict(b), cfg, device, 3)  # draws seeded by (seed, key, example index), as in train.py
     b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}
@@ -333,11 +335,6 @@ def test_compiled_packed_step_equals_eager_rows_cuda(strategy, objective):
 
 
 def _family_packed_vs_rows(strategy, objective, attention, device, rtol, compiled=False, padding_rows=0):
-    from types import SimpleNamespace
-
-    from core.train_config import TrainConfig
-    from models.families import FAMILIES
-
     cfg = TrainConfig(
         strategy=strategy,
         objective=objective,
@@ -416,8 +413,6 @@ def test_train_packed_equals_unpacked(tmp_path, tiny_run_inputs, strategy, backe
 def test_pad_batch_rows():
     """Rows of padding: one padding document each, nothing trained, the real rows untouched; bucket_rows
     keeps the row counts to four per octave."""
-    from data.packing import bucket_rows
-
     ex = [Example([1, 2, 3], [0, 1, 1]), Example([4, 5, 6, 7, 8], [0, 0, 1, 1, 1]), Example([9] * 6, [1] * 6)]
     b = pack(ex, row_len=8)
     assert b["input_ids"].shape == (2, 8)
@@ -439,9 +434,6 @@ def test_token_batches_plan():
     """--batch-tokens: every step has the same row count, no row over its length, each example at most
     once an epoch (only an epoch's last rows short of a step wait), rows nearly full; ranks split a step's
     rows in order (one rank trains what two do), and the plan is a pure function of its inputs (resume)."""
-    from data.chat import DataError
-    from data.packing import TokenBatches, plan_rows
-
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 300, (500,), generator=g).tolist()
     rows = plan_rows(lengths, list(range(500)), 512)
@@ -493,11 +485,6 @@ def test_pack_given_rows():
 
 def test_what_cannot_pack_is_named():
     """train.py packs only where documents stay apart: otherwise --pack on refuses and auto runs unpacked."""
-    import dataclasses
-
-    from core.train_config import TrainConfig, packing_blocker
-    from models.families import FAMILIES
-
     ok = TrainConfig()
     assert packing_blocker(ok, FAMILIES["eagle3"], "cpu", "sdpa") is None
     assert all(
@@ -528,13 +515,6 @@ def test_what_cannot_pack_is_named():
 def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
     """--pack on where documents cannot stay apart is a ConfigError naming why (main() prints it as one
     'error:' line); --pack auto runs one conversation per row there and says so."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    from core.train_config import ConfigError, TrainConfig
-    from core.trainer import Trainer
-    from models.families import FAMILIES
-
     said = []
     for mode in ("on", "auto"):
         t = SimpleNamespace(
@@ -556,8 +536,6 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
 def test_throughput_windows(monkeypatch):
     """Tokens per second leave out the warm-up steps and paused time (eval, checkpoints);
     MFU = model FLOPs / time / peak."""
-    from core import runlog
-
     clock = [0.0]
     monkeypatch.setattr(runlog.time, "perf_counter", lambda: clock[0])
     syncs = []

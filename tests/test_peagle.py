@@ -3,9 +3,14 @@ flattened forward with the P-EAGLE mask against brute force (every element recom
 KV-cached inference path: the committed prefix, then the rollout's mask slots); the parallel
 proposer is greedy; an overfit run on a tiny random target."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import export
+from core.speculative import TargetRunner, speculative_generate
 from data.vocab import build_vocab_mapping, count_tokens
 from models.peagle import (
     DOWN_SAMPLE_MIN,
@@ -13,10 +18,13 @@ from models.peagle import (
     FAMILY,
     PEagleConfig,
     PEagleDraft,
+    PEagleProposer,
     peagle_counts,
     peagle_host,
     sample_rollouts,
 )
+from models.proposer import Proposer
+from tests.test_dflash import save_run
 from tests.tiny import tiny_llama, tiny_target_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -146,10 +154,6 @@ def test_flex_forward_equals_dense():
 
 
 def test_parallel_proposer_is_greedy():
-    from core.speculative import TargetRunner, speculative_generate
-    from models.peagle import PEagleProposer
-    from models.proposer import Proposer
-
     draft, *_ = setup(seed=4, K=4)
     hf = tiny_llama(seed=4, hidden=32, heads=4)
     runner = TargetRunner(hf, draft.config.aux_layers)
@@ -184,13 +188,6 @@ def test_export_vllm_format_and_load_back(tmp_path):
     """fp32 export -> load_exported: same tensors and the same parallel proposals; the serving dir
     is vLLM's EAGLE-3 format plus what its parallel drafting reads (mask_hidden [n_aux*H_t],
     config mask_token_id; llm_base_proposer.py / llama_eagle3.py in vLLM 0.32)."""
-    import json
-
-    from safetensors.torch import load_file
-
-    import export
-    from tests.test_dflash import save_run
-
     draft, *_ = setup(seed=6, K=3)
     hf = tiny_llama(seed=6, hidden=32, heads=4)
     run = save_run(tmp_path, draft, hf, "peagle")
@@ -203,8 +200,6 @@ def test_export_vllm_format_and_load_back(tmp_path):
     assert isinstance(back, PEagleDraft) and back.config == draft.config
     for k, v in draft.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
-    from core.speculative import TargetRunner, speculative_generate
-    from models.peagle import PEagleProposer
 
     runner = TargetRunner(hf, draft.config.aux_layers)
     prompt = [3, 17, 5, 60, 2, 9, 41, 8]

@@ -35,7 +35,7 @@ def test_written_target_loads_back(tmp_path, preset):
     hf = Target.load(out, [0, 1, 2], torch.float32, "cpu")(ids)
     torch.testing.assert_close(hf.aux_hidden, a.aux_hidden, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(hf.final_hidden, a.final_hidden, rtol=1e-4, atol=1e-5)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy (transformers): not at module import
 
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and not (tmp_path / "t.tmp").exists()

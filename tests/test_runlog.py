@@ -2,8 +2,9 @@
 the commit that later holds exactly those files (how a device run, made on top of an older HEAD, is traced)."""
 
 import subprocess
+import time
 
-from core.runlog import git_commit
+from core.runlog import Heartbeat, git_commit
 
 
 def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
@@ -32,10 +33,6 @@ def test_dirty_tree_names_the_commit_that_holds_it(tmp_path):
 
 def test_heartbeat_says_when_nothing_finishes():
     """runlog.Heartbeat: one line per quiet interval, naming the last thing done; marks keep it silent."""
-    import time
-
-    from core.runlog import Heartbeat
-
     said = []
     hb = Heartbeat(0.4, said.append)
     for i in range(6):  # busy: something finishes every 0.1 s

@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from capture import PromptsConfig, RegenConfig, regenerate, write_prompts
+from data.benchmarks import load_prompts
 from data.selfinstruct import BenchmarkGuard, benchmark_prompts, drop_reason, query_prefix
 
 
@@ -42,8 +43,6 @@ def test_drop_reasons():
 
 
 def test_benchmark_prompts_are_caught():
-    from data.benchmarks import load_prompts
-
     prompts = benchmark_prompts()
     assert len(prompts) > 1000  # MT-Bench turns, HumanEval and GSM8K
     guard = BenchmarkGuard(prompts)

@@ -9,13 +9,12 @@ import pytest
 
 from evaluate import EvalArgs
 from evaluate import main as evaluate
+from export import open_draft, target_mismatch
 
 DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle3"
 
 
 def test_shipped_draft_fits_the_default_target_only(smollm2_dir, smollm2_tokenizer, tiny_run_inputs):
-    from export import open_draft, target_mismatch
-
     draft, meta = open_draft(DRAFT)
     tc = json.loads((smollm2_dir / "config.json").read_text())
     assert meta["target"] == "smollm2" and target_mismatch(draft.config, tc, smollm2_tokenizer, meta) == []

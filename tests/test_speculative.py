@@ -2,13 +2,23 @@
 target cache surgery matches a fresh forward, and a draft that copies the target is accepted.
 Tiny random Llama targets here; the real SmolLM2 in the slow tests."""
 
+import json
+import time
+
 import pytest
 import torch
 
+import evaluate
 from core.speculative import NgramProposer, SpecStats, TargetRunner, speculative_generate
+from data.benchmarks import load_prompts
+from data.chat import render
+from evaluate import split_halves
+from models.dflash import BlockProposer, DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer
+from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
 from models.proposer import Proposer, Tree
-from models.target import Target
+from models.target import Target, eos_ids
+from tests.test_export import make_checkpoint
 from tests.tiny import tiny_llama
 
 
@@ -190,8 +200,6 @@ def test_counters_and_timings_add_up():
     c is the timed drafting over the timed verification. The proposer knows the greedy continuation and
     gets the first (step % 5) of its 4 tokens right, so every counter is known; sleeping 20 ms per
     proposal costs at least 20 ms x steps of drafting, and speed-up = τ / (1 + c)."""
-    import time
-
     hf = tiny_llama(seed=3)
     prompt = list(range(3, 20))
     ref, V = hf_greedy(hf, prompt, 40), hf.config.vocab_size
@@ -236,9 +244,6 @@ def test_counters_and_timings_add_up():
 def test_fixed_k_proposers_verify_the_first_k():
     """A block / parallel draft trained for K = 4 verified at k = 2: every step proposes the first 2
     of the 4 tokens it drafts at k = 4, and the output stays greedy."""
-    from models.dflash import BlockProposer, DFlashConfig, DFlashDraft
-    from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
-
     hf = tiny_llama(seed=4)
     aux = Target(hf).aux_layers
     torch.manual_seed(0)
@@ -264,10 +269,7 @@ def test_fixed_k_proposers_verify_the_first_k():
 @pytest.mark.parametrize("mode", ["chain3", "tree3x4"])
 def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
     """The real target: spec decoding with an (untrained) draft gives the greedy text."""
-    from transformers import AutoModelForCausalLM
-
-    from data.chat import render
-    from models.target import eos_ids
+    from transformers import AutoModelForCausalLM  # heavy (transformers): not at module import
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     draft, aux = random_draft(hf, 0, draft_vocab=512)
@@ -285,8 +287,6 @@ def test_smollm2_output_equals_greedy(smollm2_dir, smollm2_tokenizer, mode):
 
 
 def test_packaged_prompt_sets():
-    from data.benchmarks import load_prompts
-
     mt, he, gsm = load_prompts("mtbench", 0), load_prompts("humaneval", 0), load_prompts("gsm8k", 0)
     assert (len(mt), len(he), len(gsm)) == (80, 164, 1319)
     assert all(len(t) == 2 for t in mt) and all(len(t) == 1 for t in he + gsm)
@@ -295,9 +295,7 @@ def test_packaged_prompt_sets():
 
 def tiny_eval_args(tiny_run_inputs, tmp_path) -> dict:
     """evaluate.EvalArgs fields for the tiny target and a random EAGLE-3 checkpoint of its own."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.test_export import make_checkpoint
+    from transformers import AutoModelForCausalLM  # heavy (transformers): not at module import
 
     target_dir, _ = tiny_run_inputs
     run, _, _ = make_checkpoint(tmp_path, hf=AutoModelForCausalLM.from_pretrained(target_dir), draft_vocab=64)
@@ -307,10 +305,6 @@ def tiny_eval_args(tiny_run_inputs, tmp_path) -> dict:
 def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
     """The CLI end to end on a tiny target with SmolLM2's chat template: every mode reproduces
     greedy decoding (--check-greedy) and the JSON line holds the counters."""
-    import json
-
-    import evaluate
-
     on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -346,10 +340,6 @@ def test_evaluate_cli_on_tiny_target(tiny_run_inputs, tmp_path):
 def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
     """--batch 2: chains decode two conversations at once (turn by turn) and give the batch-1
     counters; the tree runs one at a time as before."""
-    import json
-
-    import evaluate
-
     on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -383,10 +373,6 @@ def test_evaluate_batched_chains(tiny_run_inputs, tmp_path):
 def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
     """--resume-file: a second run with the same draft and settings takes the saved datasets
     (it decodes nothing) and returns the same results; other weights or settings decode again."""
-    import json
-
-    import evaluate
-
     on_tiny = tiny_eval_args(tiny_run_inputs, tmp_path)
     data = []
     for name, conv in (("a", {"prompt": "Count to ten."}), ("b", {"turns": ["Hi there", "And again"]})):
@@ -423,7 +409,6 @@ def test_evaluate_resume_file(tiny_run_inputs, tmp_path, monkeypatch):
 def test_split_halves_by_conversation():
     """evaluate.split_halves: τ of even and odd conversations, every turn of a conversation on its side
     (MT-Bench's two turns must not become the two halves)."""
-    from evaluate import split_halves
 
     def st(drafts, accepted):
         return SpecStats(drafts=drafts, accepted=accepted, target_forwards=drafts + 1, accepted_per_pos=[accepted])

@@ -5,6 +5,7 @@ draft config as our vLLM-format export; broken or foreign inputs fail naming the
 --init-draft continues from an imported draft. The slow test serves both formats of the shipped
 draft in vLLM's CPU build: same tokens, same counters."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -13,12 +14,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import export
+from core.speculative import Proposer, TargetRunner, speculative_generate
+from core.vllm_spec import DEFAULT_VENV, ensure_venv, run_job
+from data.benchmarks import load_prompts
+from data.chat import render
 from models.dflash import DFlashConfig, DFlashDraft
 from models.dspark import DSparkConfig, DSparkDraft
 from models.eagle3 import Eagle3Config, Eagle3Draft
 from models.peagle import PEagleConfig, PEagleDraft
 from models.target import Target, default_aux_layers
 from tests.test_dflash import save_run
+from tests.test_train_e2e import run_train
 from tests.tiny import tiny_llama
 
 FAMILIES = ("eagle3", "peagle", "dflash", "dspark")
@@ -91,10 +97,6 @@ def test_vllm_reads_both_formats_alike(tmp_path, family):
     """vLLM 0.32's speculators reader (transformers_utils/configs/speculators/algos.py, pure Python: run
     here from the vLLM venv's file) turns our speculators config into the draft config our vLLM-format
     export writes, on every field its loaders read."""
-    import importlib.util
-
-    from core.vllm_spec import DEFAULT_VENV, ensure_venv
-
     ensure_venv(DEFAULT_VENV)  # built here if no earlier test did (the gate tests build it too)
     algos = next(DEFAULT_VENV.glob("lib/python3*/site-packages/vllm/transformers_utils/configs/speculators/algos.py"))
     spec = importlib.util.spec_from_file_location("vllm_speculators_algos", algos)
@@ -218,12 +220,7 @@ def test_vllm_serves_the_speculators_export_like_ours(tmp_path, smollm2_dir, smo
     vLLM 0.32's CPU build on SmolLM2: the speculators dir natively (`LLM(model=DIR)`: vLLM reads the
     method, K = 3 and the target from its config), ours with an explicit speculative_config. Both
     give plain greedy decoding's tokens and the same spec-decode counters."""
-    from transformers import AutoModelForCausalLM
-
-    from core.speculative import Proposer, TargetRunner, speculative_generate
-    from core.vllm_spec import run_job
-    from data.benchmarks import load_prompts
-    from data.chat import render
+    from transformers import AutoModelForCausalLM  # heavy (transformers): not at module import
 
     draft = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle3"
     ck = export.import_draft(draft, tmp_path / "run", target=str(smollm2_dir))
@@ -246,8 +243,6 @@ def test_vllm_serves_the_speculators_export_like_ours(tmp_path, smollm2_dir, smo
 def test_train_continues_from_an_imported_draft(tmp_path, tiny_run_inputs):
     """train.py --init-draft on a draft that went ours -> speculators -> ours: the new run's first held-out
     evaluation equals the source run's last one (same weights, same d2t); another config is refused."""
-    from tests.test_train_e2e import run_train
-
     target, data = tiny_run_inputs
     run_train(tmp_path / "a", target, data, 0, ["--steps", "3"])
     spec = export.export(tmp_path / "a", tmp_path / "spec", engine="speculators", dtype="fp32")

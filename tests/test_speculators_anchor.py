@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -43,8 +44,6 @@ def tiny_store(root: Path) -> tuple[list[Example], dict[str, torch.Tensor]]:
 
 
 def test_convert_keeps_tokens_mask_and_hidden_states(tmp_path):
-    from safetensors.torch import load_file
-
     examples, t = tiny_store(tmp_path / "store")
     info = anchor.convert(tmp_path / "store", tmp_path / "spec")
     assert info["samples"] == 4
@@ -64,7 +63,7 @@ def test_convert_keeps_tokens_mask_and_hidden_states(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("speculators") is None, reason="speculators is not installed")
 def test_their_dataset_reads_the_converted_dir(tmp_path):
-    from speculators.train.data import ArrowDataset
+    from speculators.train.data import ArrowDataset  # optional: speculators (skipped where missing)
 
     examples, t = tiny_store(tmp_path / "store")
     anchor.convert(tmp_path / "store", tmp_path / "spec")

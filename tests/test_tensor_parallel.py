@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 
 from data.chat import Example
 from data.packing import pack
 from models.fast_target import FastTarget, TargetConfig
+from tests.test_train_e2e import run_train, train_rows
 from tests.tiny import LLAMA3_SHORT_ROPE, TINY_TARGET_SHAPE
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # atol scaled by the reference's largest value, as in test_fast_target
@@ -90,8 +92,6 @@ def max_rel_err(f, ref, spans) -> float:
 def _worker(rank: int, world: int, store: str, out: str, cuda: bool = False):
     """CPU: gloo, fp32, eager. cuda: NCCL, one GPU per rank, bf16, compiled layers (the H200 path);
     there err_single is the single-rank bf16 model's own error against fp32, the scale for TP's."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     torch.set_num_threads(1)
     device = f"cuda:{rank}" if cuda else "cpu"
     if cuda:
@@ -185,8 +185,6 @@ def test_train_tp2_matches_one_rank(tmp_path, tiny_run_inputs, compiled):
     """train.py: 2 ranks as one TP=2 group (dp=1) see the one global batch; the draft (FSDP over
     both ranks) must train exactly as on one rank with the unsplit target; also with the draft step
     compiled on both sides (--compile, ~4 min on 2 cores)."""
-    from tests.test_train_e2e import run_train, train_rows
-
     target, data = tiny_run_inputs
     # --max-len 128: the chats' first assistant tokens start past 64, and a batch without any trains nothing
     extra = [

@@ -1,8 +1,10 @@
 """train.py end to end on a tiny random target: two gloo ranks == one rank, exact resume (both
 one conversation per row and packed), bad inputs fail clearly (more of them: tests/test_bad_input.py)."""
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
 
+from core.config import DeployConfig
+from core.distributed import all_min
+from core.train_config import (
+    GPU_MEMORY_SHARE,
+    GPU_TOKENS_CAP,
+    TrainConfig,
+    auto_batch_tokens,
+    draft_state_bytes,
+    gpu_batch_tokens,
+    step_bytes_per_token,
+)
+from core.trainer import EXIT_STOPPED
 from tests.tiny import TINY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,8 +122,6 @@ def test_bad_inputs_fail_clearly(tmp_path, tiny_run_inputs, extra, message):
 
 
 def test_no_chat_template_fails_clearly(tmp_path, tiny_run_inputs):
-    import shutil
-
     target, data = tiny_run_inputs
     bare = tmp_path / "bare"
     shutil.copytree(target, bare)
@@ -120,15 +134,10 @@ def test_no_chat_template_fails_clearly(tmp_path, tiny_run_inputs):
 
 
 def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
-    import shutil
-
-    from safetensors.torch import load_file as load
-    from safetensors.torch import save_file
-
     target, data = tiny_run_inputs
     bad = tmp_path / "nan_target"
     shutil.copytree(target, bad)
-    weights = load(bad / "model.safetensors")
+    weights = load_file(bad / "model.safetensors")
     weights["model.norm.weight"][:] = float("nan")  # final hidden -> NaN target distribution
     save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
     p = run_train(tmp_path / "nan", bad, data, 0, ["--steps", "2"], check=False)
@@ -145,8 +154,6 @@ def test_nan_loss_stops_without_updating(tmp_path, tiny_run_inputs):
 def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
     """--time-limit (start-up counts, so a tiny limit stops after the first step) saves and says how to go on;
     an unfinished run exits EXIT_STOPPED (75), not 0, and run.json says it stopped and why."""
-    from core.trainer import EXIT_STOPPED
-
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--time-limit", "0.001"], check=False)
     assert p.returncode == EXIT_STOPPED == 75, (p.stdout + p.stderr)[-2000:]
@@ -163,8 +170,6 @@ def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
 def test_a_signal_stops_after_the_step_with_a_checkpoint(tmp_path, tiny_run_inputs, sig):
     """A scheduler's (or `timeout`'s) SIGTERM, or Ctrl-C, ends the run at a step boundary with a checkpoint;
     the exit status (75) tells scripts the run is unfinished, and run.json says it stopped and why."""
-    from core.trainer import EXIT_STOPPED
-
     target, data = tiny_run_inputs
     out = tmp_path / "s"
     args = ["--target", str(target), "--data", str(data), "--out", str(out), *TINY_TRAIN, "--steps", "100000"]
@@ -211,11 +216,6 @@ def test_batch_tokens_needs_packing(tmp_path, tiny_run_inputs):
 def test_auto_batch_tokens():
     """--batch-tokens -1 (the default): a token budget of --batch-size rows of --max-len only on a GPU with packed
     rows; conversations on CPU, unpacked, explicit values kept, disaggregated runs keep -1 (conversations there)."""
-    import dataclasses
-
-    from core.config import DeployConfig
-    from core.train_config import TrainConfig, auto_batch_tokens
-
     cfg = TrainConfig(batch_size=8, max_len=512)
     assert cfg.batch_tokens == -1
     assert auto_batch_tokens(cfg, "cuda", True) == 8 * 512
@@ -234,15 +234,6 @@ def test_gpu_batch_tokens():
     estimated peak fits GPU_MEMORY_SHARE of an 80 GiB GPU (the issue's 80 GiB goal) and of the H200, the
     estimate lies above both H200 peaks measured at 32,768 tokens a step (106.1 GiB for the 8B shape, 11.6 for
     SmolLM2), SmolLM2 is capped, a GPU too small says so, data-parallel ranks each take a share."""
-    from core.train_config import (
-        GPU_MEMORY_SHARE,
-        GPU_TOKENS_CAP,
-        TrainConfig,
-        draft_state_bytes,
-        gpu_batch_tokens,
-        step_bytes_per_token,
-    )
-
     gib = 2**30
     llama8b = {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
     cfg8b = TrainConfig(max_len=4096, draft_vocab_size=32000, ttt_length=7)
@@ -266,10 +257,6 @@ def test_gpu_batch_tokens():
 
 
 def _min_rank(rank: int, store: str, out):
-    import torch.distributed as dist
-
-    from core.distributed import all_min
-
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     out[rank] = int(all_min(torch.tensor([65280 - 384 * 10 * rank])).item())  # rank 1 measured less memory
     dist.destroy_process_group()
@@ -277,8 +264,6 @@ def _min_rank(rank: int, store: str, out):
 
 def test_all_min_agrees_over_ranks(tmp_path):
     """train.py's GPU budget is measured on every rank; all_min makes them agree on the smallest (two gloo ranks)."""
-    import torch.multiprocessing as mp
-
     out = mp.Manager().dict()
     mp.spawn(_min_rank, args=(str(tmp_path / "store"), out), nprocs=2)
     assert dict(out) == {0: 65280 - 3840, 1: 65280 - 3840}

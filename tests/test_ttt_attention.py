@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import _ordered_to_dense, create_block_mask
 
-from kernels.masks import ttt_mask
+from kernels.masks import dense_attention, ttt_document_mask, ttt_mask
 from kernels.ttt_attention import (
     ttt_attention_eager,
     ttt_attention_flex,
@@ -136,8 +136,6 @@ def _doc_ids(T, seed=0):
 
 def _brute_packed(q, ks, vs, doc):
     """dense_attention over [step 0 | step 1 | ...] keys with a mask from explicit loops."""
-    from kernels.masks import dense_attention
-
     T, n = q.shape[2], len(ks)
     allowed = torch.zeros(B, 1, T, n * T, dtype=torch.bool)
     for b in range(B):
@@ -191,8 +189,6 @@ def test_packed_row_equals_separate_documents():
 @pytest.mark.parametrize("k", [0, 2])
 def test_ttt_block_mask_layout_packed(k):
     """The block structure built from per-block document ranges equals create_block_mask's from ttt_document_mask."""
-    from kernels.masks import ttt_document_mask
-
     Tp = 384
     doc = torch.full((3, Tp), -1, dtype=torch.int32)
     doc[0] = torch.tensor([0] * 100 + [1] * 200 + [2] * 84)  # boundaries inside blocks

@@ -4,12 +4,16 @@ step (eager flex; no CPU flex backward), the buffer writes route gradients exact
 concatenation does (checked with a differentiable stand-in consumer), and calls out of order fail.
 The flex gradients themselves are checked on CUDA (tests/test_kernels_cuda.py)."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+import kernels.ttt_attention as ta
 from kernels.ttt_attention import FLEX_BLOCK, TTTFlexAttention, _WriteStep, ttt_attention_eager, ttt_attention_flex
+from models.eagle3 import local_counts
+from tests.test_eagle3_ttt import setup
 
 
 def _inputs(T, n, Hq=4, Hkv=2, D=16, seed=0):
@@ -63,9 +67,6 @@ def test_steps_out_of_order_fail():
 def test_draft_forward_with_flex_equals_eager(attention):
     """The EAGLE-3 draft's TTT forward (no grad: CPU) gives the eager loss and statistics through
     compiled flex (on CPU through inductor), concatenating (flex) or buffered (flex_buf)."""
-    from models.eagle3 import local_counts
-    from tests.test_eagle3_ttt import setup
-
     draft, batch, _, ttt = setup(seed=2, hidden=64, heads=4)  # flex needs head dim >= 16
     counts = local_counts(batch, draft.t2d, ttt)
     with torch.no_grad():
@@ -79,10 +80,6 @@ def test_draft_forward_with_flex_equals_eager(attention):
 def test_buffers_peak_lower_around_a_stand_in_flex(monkeypatch):
     """experiments/flex_buf_memory_cpu.py: with flex replaced by a stand-in that saves its inputs,
     the buffered unroll (write chain and its gradients included) peaks below the concatenating one."""
-    import importlib.util
-
-    import kernels.ttt_attention as ta
-
     spec = importlib.util.spec_from_file_location(
         "flex_buf_memory_cpu", Path(__file__).resolve().parents[1] / "experiments/flex_buf_memory_cpu.py"
     )

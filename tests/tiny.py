@@ -1,8 +1,12 @@
 """Tiny random models and data for tests (no downloads)."""
 
+import dataclasses
+
 import torch
 
 from data.chat import Example
+from data.datasets import collate
+from models.target import Target
 from models.tiny import TINY_TRAIN, tiny_llama  # noqa: F401 (the tests import both from here too)
 
 # The target-backend tests' shape (test_fast_target, test_tensor_parallel): GQA 4 / 2, head dim 16; each
@@ -25,9 +29,6 @@ LLAMA3_SHORT_ROPE = dict(
 def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):
     """(hf model, its models/target.Target, random examples, their collated batch): a draft test's
     tiny target and data, all seeded by `seed`."""
-    from data.datasets import collate
-    from models.target import Target
-
     torch.manual_seed(seed)
     hf = tiny_llama(seed=seed, **llama_kw)
     target = Target(hf)
@@ -38,8 +39,6 @@ def tiny_target_batch(seed, n_examples=3, min_len=4, max_len=11, **llama_kw):
 def to_device(batch, device="cuda"):
     """A batch dataclass (Eagle3Batch, PEagleBatch, ...) with its tensors on `device`; fields that are
     None (doc_ids / position_ids of unpacked rows) stay None."""
-    import dataclasses
-
     return dataclasses.replace(
         batch,
         **{
