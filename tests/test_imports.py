@@ -12,6 +12,7 @@ edge to the project module it names (`from x import y` goes to x.y when that is 
 """
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -201,3 +202,45 @@ def test_checker_finds_cycles_and_upward_imports(tmp_path):
     graph["core.roles"].clear()  # the fix: roles gets the Trainer as an argument
     assert find_cycle(graph) is None and library_to_entry(graph) == []
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def unexplained_local_imports(source: str, filename: str = "<src>") -> list[int]:
+    """Line numbers of the imports inside a function (any depth) whose lines carry no comment saying why; a comment
+    that is only `noqa: ...` says nothing. Imports belong at the top of a file: one inside a function is there for a
+    reason (a heavy or optional dependency, an environment variable to set first, a --help kept light), and the line
+    says which."""
+    lines = source.splitlines()
+
+    def explained(node) -> bool:
+        for line in lines[node.lineno - 1 : node.end_lineno]:
+            comment = line.partition("#")[2]
+            words = re.sub(r"noqa(:\s*[A-Z]+[0-9]+(\s*,\s*[A-Z]+[0-9]+)*)?", "", comment)
+            if re.search(r"[A-Za-z]", words):
+                return True
+        return False
+
+    found = set()
+    for fn in ast.walk(ast.parse(source, filename)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found |= {
+                n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)) and not explained(n)
+            }
+    return sorted(found)
+
+
+def test_imports_inside_functions_say_why():
+    """Every tracked .py, tests included: an import inside a function says on its line why it is not at the top."""
+    found = {
+        str(p): lines for p in python_files() if (lines := unexplained_local_imports((ROOT / p).read_text(), str(p)))
+    }
+    assert found == {}, f"imports inside functions without a reason on the line (move them up, or say why): {found}"
+
+
+def test_local_import_check_can_fail():
+    src = (
+        "import os\n\n"
+        "def f():\n    import json\n    import gzip  # noqa: F401\n    import vllm  # optional: vLLM's venv only\n"
+        "    def g():\n        from torch import (  # heavy: --help stays light\n            nn,\n        )\n"
+        "        from math import (\n            pi,  # noqa: F401\n        )\n"
+    )
+    assert unexplained_local_imports(src) == [4, 5, 11]
