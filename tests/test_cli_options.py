@@ -4,7 +4,6 @@ option, whatever default a script gives it."""
 
 import ast
 import inspect
-import subprocess
 from pathlib import Path
 
 from core.cli_options import DataOption, DeviceOption, MaxLenOption, StrategyOption, TargetOption
@@ -12,6 +11,7 @@ from core.train_config import BaseTrainConfig
 from data.datasets import DEFAULT_DATA
 from models.families import FAMILIES
 from models.target import DEFAULT_TARGET
+from tests.test_imports import python_files
 
 ROOT = Path(__file__).resolve().parents[1]
 # (file, class, option): options of a group's name and type that mean something else there
@@ -85,13 +85,7 @@ def redeclared_options(root: Path, files: list[str]) -> list[tuple[str, str, str
 
 def test_scripts_take_shared_options_from_the_groups():
     """A script declares no option of a group by hand: it inherits the group (and may change the default)."""
-    files = [
-        f
-        for f in subprocess.run(
-            ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.split()
-        if not f.startswith("tests/")
-    ]
+    files = [str(p) for p in python_files() if p.parts[0] != "tests"]
     found = set(redeclared_options(ROOT, files))
     assert not found - OTHER_MEANING, f"declared again (inherit the core/cli_options.py group): {found - OTHER_MEANING}"
     assert not OTHER_MEANING - found, f"no longer declared: drop from OTHER_MEANING {OTHER_MEANING - found}"
