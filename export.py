@@ -49,8 +49,9 @@ import tyro
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from core.checkpoint import write_checkpoint
 from core.distributed import DTYPES
-from core.runlog import RUN_FILES, clear_previous_run, os_why, output_kind, previous_run, write_checkpoint
+from core.runlog import RUN_FILES, clear_previous_run, os_why, output_kind, previous_run
 from data.chat import DataError
 from models.engines import ENGINES, ROPE_FIELDS, ExportError
 from models.engines import engine_aux_ids as engine_aux_ids  # re-exported: tools and tests import it from here

@@ -17,11 +17,12 @@ import dataclasses
 import os
 import sys
 
+from core.checkpoint import CheckpointError
 from core.config import config_path
 from core.disagg.roles import main as disagg_main
 from core.distributed import barrier, destroy
 from core.train_config import ConfigError, TrainConfig, check_inputs, check_out, parse_cli, validate
-from core.trainer import EXIT_INTERRUPTED, EXIT_STOPPED, CheckpointError, Trainer
+from core.trainer import EXIT_INTERRUPTED, EXIT_STOPPED, Trainer
 from core.vllm_features import vllm_target
 from data.chat import DataError
 

@@ -1,5 +1,5 @@
 """Run artefacts: run.json (config, versions, git commit, hardware, results), metrics.jsonl,
-TensorBoard scalars, and the checkpoint directory layout (write_checkpoint). Only rank 0 writes."""
+TensorBoard scalars; the checkpoint directory layout is core/checkpoint.py's. Only rank 0 writes."""
 
 import dataclasses
 import errno
@@ -20,7 +20,6 @@ import traceback
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from core.distributed import all_sum
 
@@ -326,32 +325,6 @@ def output_kind(path: str | Path) -> str | None:
     ):
         return f"a draft model (config.json: architectures {cfg.get('architectures')})"
     return None
-
-
-def write_checkpoint(ck: Path, name: str, draft_sd: dict, meta: dict, extra=None) -> Path:
-    """A training checkpoint as train.py writes it and export.py --import-from mimics: ck/<name>.tmp
-    holding draft.safetensors and config.json (meta: {strategy, draft, target, ...}), plus whatever
-    extra(tmp) writes (train.py: train_state.pt), renamed to ck/<name> when complete (a checkpoint
-    directory is complete or absent), then ck/latest replaced atomically. A failed write removes the
-    partial directory and latest.tmp, leaves earlier checkpoints as they were, and re-raises."""
-    d, latest_tmp = ck / name, ck / "latest.tmp"
-    tmp = d.with_name(d.name + ".tmp")
-    try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in draft_sd.items()}, tmp / "draft.safetensors")
-        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
-        if extra is not None:
-            extra(tmp)
-        if d.exists():
-            shutil.rmtree(d)
-        tmp.rename(d)
-        latest_tmp.write_text(d.name)
-        os.replace(latest_tmp, ck / "latest")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        latest_tmp.unlink(missing_ok=True)
-        raise
-    return d
 
 
 def compiled_graphs() -> int:

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import tyro
 
+from core.checkpoint import checkpoints
 from core.cli_options import DataOption, DeviceOption, MaxLenOption, NumRecordsOption, StrategyOption, TargetOption
 from core.config import DeployConfig, cli, config_path, flag_values, load_yaml
 from core.runlog import RUN_FILES, os_why, output_kind, previous_run, probe_write
@@ -463,22 +464,6 @@ def _first_existing(p: Path) -> Path:
     while not p.exists() and p != p.parent:
         p = p.parent
     return p
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoint dirs of `out`, the one ckpt/latest names first, then the others newest first."""
-    ck = out / "ckpt"
-    if not ck.is_dir():
-        return []
-    steps = sorted(
-        (d for d in ck.glob("step_*") if d.is_dir() and d.name[5:].isdigit()), key=lambda d: -int(d.name[5:])
-    )
-    latest = ck / "latest"
-    try:
-        named = ck / latest.read_text().strip() if latest.exists() else None
-    except OSError:
-        named = None
-    return ([named] if named in steps else []) + [d for d in steps if d != named]
 
 
 def check_inputs(cfg: TrainConfig):

@@ -1,26 +1,22 @@
-"""The training loop behind train.py: Trainer (target and draft loading, data feeding, the step, evaluation,
-checkpoints and resume, run.json and metrics.jsonl), the exit statuses a run ends with and CheckpointError.
-Library code: train.py runs it from the command line, core/disagg/roles.py subclasses it for a consumer and
-experiments/loop_acc.py evaluates with it, none of them importing the entry script."""
+"""The training loop behind train.py: Trainer (the target and the draft loaded, the step, evaluation, the loop with
+its logging, stops and run.json / metrics.jsonl) and the exit statuses a run ends with. Data feeding is
+core/feeding.py's, checkpoints and resume core/checkpoint.py's. Library code: train.py runs it from the command
+line, core/disagg/roles.py subclasses it for a consumer and experiments/loop_acc.py evaluates with it, none of them
+importing the entry script."""
 
 import dataclasses
-import errno
-import json
 import math
-import shutil
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from tqdm import tqdm
 
+import core.checkpoint as checkpoint
 from core.disagg.roles import consumer_target
-from core.distributed import all_min, all_sum, barrier, init_distributed
+from core.distributed import all_sum, barrier, init_distributed
 from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
+from core.feeding import Batcher, batching, load_data, packing
 from core.optim import MuonAdamW, lr_at, muon_groups
 from core.runlog import (
     Heartbeat,
@@ -31,21 +27,9 @@ from core.runlog import (
     compiled_graphs,
     peak_flops,
     run_metadata,
-    write_checkpoint,
 )
-from core.train_config import (
-    ConfigError,
-    TrainConfig,
-    auto_batch_tokens,
-    checkpoints,
-    gpu_batch_tokens,
-    packing_blocker,
-    validate,
-)
+from core.train_config import ConfigError, TrainConfig, validate
 from core.vllm_features import vllm_target
-from data.chat import DataError
-from data.datasets import build_examples, collate, load_records, split_holdout, tokenize_workers
-from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
 from models.families import FAMILIES
@@ -59,10 +43,6 @@ from models.target import TargetHeads, config_int, load_tokenizer, past_context,
 EXIT_STOPPED = 75
 EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no checkpoint of this invocation
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read back."""
 
 
 class Trainer:
@@ -119,7 +99,24 @@ class Trainer:
         self.out = Path(cfg.out)
         self.log = RunLog(self.out, enabled=self.rank == 0)
         self.schedule = 0.0  # fraction of training done (loss schedules, e.g. Domino's curriculum)
+        target_dir, stored = self._load_target(kind)
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(target_dir)
+        self.pack = packing(cfg, self.family, self.target, kind, self.print)
+        self.cfg = cfg = batching(cfg, kind, self.pack, self.target, self.device, self.dp_size, self.out, self.print)
+        data = load_data(cfg, self.tokenizer, self.pack, self.store, stored, self.print, self.bar)
+        self.train_set, self.eval_set, self.batches = data.train_set, data.eval_set, data.batches
+        self.row_len, self.data_stats, self.total_steps = data.row_len, data.stats, cfg.steps or data.batches.per_epoch
+        row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
+        self.batcher = Batcher(
+            cfg, self.family, self.device, self.pack, self.row_len, row_multiple, self.dp_rank, self.dp_size
+        )
+        self._build_draft()
 
+    def _load_target(self, kind: str) -> tuple[Path, list | None]:
+        """The target (or, offline, the feature store and the target's heads) as --backend says, --backend auto
+        settled in self.cfg; returns the target's directory and a store's examples (None online)."""
+        cfg = self.cfg
         target_dir = resolve_target(cfg.target) if self.rank == 0 else None
         self.barrier()
         target_dir = resolve_target(cfg.target)
@@ -140,9 +137,9 @@ class Trainer:
                 f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the target's vocabulary ({V} tokens in "
                 f"{target_dir / 'config.json'}): the draft vocabulary is a subset of the target's"
             )
-        self.store = None
+        self.store, stored = None, None
         if cfg.features:
-            self.store, self._stored, self.target = open_for_training(
+            self.store, stored, self.target = open_for_training(
                 cfg.features, target_dir, cfg.aux_layers, self.dtype, self.device
             )
         elif cfg.deploy.role == "consumer":  # disaggregated: the producers run the target (core/disagg/roles.py)
@@ -156,61 +153,7 @@ class Trainer:
                 self.print(
                     f"[target] tensor parallel over {self.tp_mesh.size()} ranks, {self.dp_size} data-parallel group(s)"
                 )
-        self.tokenizer = load_tokenizer(target_dir)
-        self.pack = self._packing(kind)
-        self.cfg = cfg = self._batching(kind)
-        self.row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
-        self._load_data()
-        self._build_draft()
-
-    def _packing(self, kind: str) -> bool:
-        """--pack auto|on|off -> whether rows are packed; a run that cannot keep documents apart
-        refuses --pack on and runs auto unpacked, saying why."""
-        attn_impl = getattr(getattr(getattr(self.target, "model", None), "config", None), "_attn_implementation", None)
-        why = packing_blocker(self.cfg, self.family, kind, attn_impl)
-        if self.cfg.pack == "on" and why:
-            raise ConfigError(f"--pack on: {why}; pass --pack off (one conversation per row)")
-        if self.cfg.pack == "auto" and why:
-            self.print(f"[data] one conversation per row: {why}")
-        return self.cfg.pack != "off" and why is None
-
-    def _batching(self, kind: str) -> "TrainConfig":
-        """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget:
-        on a GPU sized from its memory (gpu_batch_tokens); a resumed run keeps the budget it started with (the
-        same batches)."""
-        cfg = self.cfg
-        why = []
-
-        def sized() -> int:
-            tokens = None
-            if cfg.resume:  # run.json's config is the first start's (core/runlog.RunLog.start)
-                try:
-                    tokens = json.loads((self.out / "run.json").read_text())["config"]["batch_tokens"]
-                except (OSError, ValueError, KeyError, TypeError):
-                    pass  # no readable run.json: load() and RunLog.start say so
-            if isinstance(tokens, int) and tokens > 0:
-                why.append("the budget this run started with (--resume)")
-                return tokens
-            sizes = {k: config_int(self.target.path, k) for k in ("hidden_size", "intermediate_size", "vocab_size")}
-            if None in sizes.values():  # a config without them: the --batch-size rows
-                why.append(f"{cfg.batch_size} rows: the target's config.json names no {', '.join(sizes)}")
-                return cfg.batch_size * cfg.max_len
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(self.device), self.dp_size)
-            agreed = int(all_min(torch.tensor([tokens], device=self.device)).item())  # every rank the same batches
-            why.append(text + (f"; {agreed} tokens, the smallest rank's" if agreed != tokens else ""))
-            return agreed
-
-        budget = auto_batch_tokens(cfg, kind, self.pack, sized)
-        if budget == cfg.batch_tokens:
-            return cfg
-        if budget:
-            self.print(
-                f"[data] batching: --batch-tokens {budget} ({budget // cfg.max_len} packed rows of --max-len "
-                f"{cfg.max_len}) a step, the one shape a GPU compiles once; {'; '.join(why)}. --batch-tokens N sets "
-                f"it, --batch-tokens 0 batches --batch-size ({cfg.batch_size}) conversations"
-            )
-        return dataclasses.replace(cfg, batch_tokens=budget)
+        return target_dir, stored
 
     def barrier(self):
         barrier()
@@ -232,71 +175,6 @@ class Trainer:
             return it
         return tqdm(it, desc=desc, total=total, dynamic_ncols=True, leave=False)
 
-    def _load_data(self):
-        cfg, stats = self.cfg, Counter()
-        if cfg.batch_tokens > 0 and not self.pack:  # before minutes of tokenizing
-            raise ConfigError(
-                "--batch-tokens fills packed rows, and this run is not packed "
-                "(--pack off, or the [data] line above says why)"
-            )
-        if self.store is not None:  # tokenized at capture time, exactly as below
-            examples, n_records = self._stored, self.store.schema["data"]["records"]
-            stats.update(self.store.schema["data"]["stats"])
-        else:
-            records = load_records(cfg.data, cfg.num_records or None)
-            workers = tokenize_workers(len(records))  # a pool of processes has no per-record bar
-            src = records if workers > 1 else self.bar(records, "tokenize")
-            examples, n_records = build_examples(src, self.tokenizer, cfg.max_len, stats, workers), len(records)
-        try:
-            self.train_set, self.eval_set = split_holdout(examples, cfg.holdout)
-            # rows of --max-len tokens; a feature store captured at a larger --max-len holds longer conversations,
-            # whose rows then grow to the longest (each conversation still fits one row)
-            longest = max(len(e.input_ids) for e in [*self.train_set, *self.eval_set])
-            self.row_len = max(cfg.max_len, longest)
-            self.batches = plan_batches(cfg, self.train_set, self.row_len)
-        except DataError as e:  # say why so few examples are left: what was skipped, at which --max-len
-            counts = json.dumps(dict(stats, records=n_records))
-            raise DataError(
-                f"{e}. [data] {cfg.features or cfg.data} at --max-len {cfg.max_len}: {counts} "
-                "(skipped_* are conversations dropped: no assistant turn, only empty ones, or nothing trainable "
-                "within --max-len; see README 'Training your own draft')"
-            ) from None
-        self.data_stats = dict(stats, records=n_records, train=len(self.train_set), holdout=len(self.eval_set))
-        self.print(f"[data] {cfg.features or cfg.data}: {json.dumps(self.data_stats)}")
-        if self.row_len > cfg.max_len:
-            self.print(
-                f"[data] conversations up to {longest} tokens (> --max-len {cfg.max_len}): rows of {longest} tokens"
-            )
-        if cfg.batch_tokens > 0:
-            self.print(
-                f"[data] --batch-tokens {cfg.batch_tokens}: {self.batches.rows} rows of {self.row_len} tokens a step, "
-                f"{self.batches.per_epoch} steps an epoch"
-            )
-        self.total_steps = cfg.steps or self.batches.per_epoch
-
-    def _init_from(self, draft, d: Path):
-        """Load --init-draft's tensors (its d2t/t2d too) into the freshly built draft, refusing another config."""
-        if not (d / "draft.safetensors").exists():
-            found = checkpoints(d)
-            if not found:
-                raise CheckpointError(f"--init-draft {d}: no draft.safetensors and no checkpoint in {d / 'ckpt'}")
-            d = found[0]
-        try:
-            meta = json.loads((d / "config.json").read_text())
-            sd = load_file(d / "draft.safetensors")
-        except Exception as e:  # missing or damaged file
-            raise CheckpointError(f"--init-draft {d}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None
-        ours = self.draft_config.to_dict()
-        differ = sorted(k for k in {*ours, *meta.get("draft", {})} if ours.get(k) != meta.get("draft", {}).get(k))
-        if meta.get("strategy") != self.cfg.strategy or differ:
-            raise CheckpointError(
-                f"--init-draft {d}: a {meta.get('strategy')} draft whose config differs from the {self.cfg.strategy} "
-                f"draft these flags build in {differ} (theirs {[meta.get('draft', {}).get(k) for k in differ]}, "
-                f"ours {[ours.get(k) for k in differ]})"
-            )
-        draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()}, strict=True)
-        self.print(f"[draft] initialised from {d}")
-
     def _build_draft(self):
         cfg, t = self.cfg, self.target
         counts = count_tokens(self.train_set, t.config.vocab_size)
@@ -306,7 +184,7 @@ class Trainer:
             raise ConfigError(f"--moe-experts {cfg.moe_experts} on this target: {e}") from None
         self.draft_config = draft.config
         if cfg.init_draft:
-            self._init_from(draft, Path(cfg.init_draft))
+            checkpoint.init_from(draft, Path(cfg.init_draft), cfg.strategy, self.print)
         t2d = getattr(draft, "t2d", None)
         vocab = (
             ""
@@ -346,43 +224,14 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> the family's loss ----
-    def host_batch(self, examples, key: int = 0, row_sizes: list[int] | None = None, first: int | None = None) -> dict:
-        """Everything about a batch that the host knows without the GPU: collated tensors, the
-        family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
-        drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
-        during training. key seeds the family's random draws (the step; eval batches: < 0). row_sizes,
-        first: a --batch-tokens step's rows (examples per row, in order) and its examples' global offset."""
-        if self.pack:  # + doc_ids, position_ids, where
-            b = pack(examples, self.row_len, row_sizes=row_sizes)
-        else:
-            b = collate(examples)
-        # row counts that repeat: one compiled shape per count (--batch-tokens steps have one count already)
-        if self.pack and self.row_multiple != 1 and row_sizes is None:
-            R = b["input_ids"].shape[0]
-            b = pad_batch_rows(
-                b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
-            )
-        # one shape for every batch: pad to max_len, a multiple of the flex block (--batch-tokens rows are full)
-        if self.cfg.compile or self.cfg.pad_to_max_len or row_sizes is not None:
-            b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
-        first = self.dp_rank * len(examples) if first is None else first
-        b = self.family.host(b, self.cfg, self.device, key, first=first)
-        # ntok: real tokens; row_tokens: what the rows hold, padding included (both this rank's)
-        b.update(
-            examples=examples,
-            ntok=int(b["attention_mask"].sum()),
-            row_tokens=b["attention_mask"].numel(),
-            padded=not bool(b["attention_mask"].all()),
-        )
-        return b
-
     def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
         """Target features -> the family's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
         already built and on the device (the prefetcher's)."""
         if b is None:
-            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in self.host_batch(examples, key).items()}
+            host = self.batcher.host_batch(examples, key)
+            b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in host.items()}
         if self.store is not None:
             feats = batch_features(
                 self.store,
@@ -439,101 +288,15 @@ class Trainer:
             out[f"loss_{k}"] = (tot_loss[k] / tot_counts[k, 1].clamp(min=1)).item()
         return out
 
-    # ---- checkpoints ----
+    # ---- checkpoints (core/checkpoint.py) ----
     def save(self, step: int):
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(self.draft, self.opt, options=opts)
-        rng = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-        }
-        rngs = [None] * self.world
-        if dist.is_initialized():
-            dist.all_gather_object(rngs, rng)
-        else:
-            rngs = [rng]
-        if self.rank == 0:
-            self._write_checkpoint(step, model_sd, optim_sd, rngs)
-        self.barrier()
-
-    def _write_checkpoint(self, step: int, model_sd: dict, optim_sd: dict, rngs: list):
-        """ckpt/step_N with the training state beside the draft (runlog.write_checkpoint: complete or absent,
-        ckpt/latest replaced atomically); a failed write (disk full, ...) is one CheckpointError naming it."""
-        ck = self.out / "ckpt"
-        d = ck / f"step_{step}"
         meta = {"strategy": self.cfg.strategy, "draft": self.draft_config.to_dict(), "target": str(self.target.path)}
-        state = {"optim": optim_sd, "sched": self.sched.state_dict(), "step": step, "rng": rngs, "world": self.world}
-        try:
-            write_checkpoint(ck, d.name, model_sd, meta, lambda tmp: torch.save(state, tmp / "train_state.pt"))
-        except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError ("file write failed")
-            why = (
-                "no space left on the device"
-                if getattr(e, "errno", None) == errno.ENOSPC
-                else f"{type(e).__name__}: {e}"
-            )
-            try:
-                free = f"; {shutil.disk_usage(ck).free / 2**20:.0f} MiB free there"
-            except OSError:
-                free = ""
-            kept = [c.name for c in checkpoints(self.out)]
-            raise CheckpointError(
-                f"cannot write checkpoint {d} ({why}{free}); removed the partial {d.name}.tmp; "
-                + (
-                    f"earlier checkpoints kept: {', '.join(kept)} (continue with --resume)"
-                    if kept
-                    else "no earlier checkpoint"
-                )
-            ) from None
-
-    def latest_checkpoint(self) -> Path | None:
-        found = checkpoints(self.out)
-        return found[0] if found else None
+        checkpoint.save(self.out, step, self.draft, self.opt, self.sched, meta, self.rank, self.world, self.device)
 
     def load(self) -> int:
-        """Restore the latest checkpoint; if its files are damaged (truncated, corrupted), the newest intact
-        earlier one, saying so."""
-        found = checkpoints(self.out)
-        if not found:
-            raise CheckpointError(f"--resume: no checkpoint in {self.out / 'ckpt'}")
-        damaged = []
-        for d in found:
-            try:
-                f = d / "train_state.pt"
-                state = torch.load(f, weights_only=False)
-                if not isinstance(state, dict) or not {"optim", "sched", "step", "rng", "world"} <= state.keys():
-                    raise ValueError("not a train_state (keys missing)")
-                f = d / "draft.safetensors"
-                model_sd = load_file(f)
-            except Exception as e:  # any unreadable file: truncated zip, bad safetensors header, missing file, ...
-                why = str(e).splitlines()[0][:200] if str(e) else ""
-                damaged.append(f"{f} ({type(e).__name__}{': ' + why if why else ''})")
-                self.print(f"[resume] {f} is damaged or unreadable ({type(e).__name__}{': ' + why if why else ''})")
-                continue
-            break
-        else:
-            raise CheckpointError(f"--resume: no intact checkpoint in {self.out / 'ckpt'}: " + "; ".join(damaged))
-        if damaged:
-            self.print(
-                f"[resume] falling back to the previous intact checkpoint {d} (the later one(s) are left as they are)"
-            )
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        try:
-            set_state_dict(
-                self.draft, self.opt, model_state_dict=model_sd, optim_state_dict=state["optim"], options=opts
-            )
-            self.sched.load_state_dict(state["sched"])
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(
-                f"--resume: checkpoint {d} does not fit this draft (was it written with other options, "
-                f"e.g. --strategy, --ttt-length, --draft-vocab-size?): {str(e).splitlines()[0][:300]}"
-            ) from None
-        if state["world"] == self.world:  # per-rank RNG streams only line up with the same world size
-            rng = state["rng"][self.rank]
-            torch.set_rng_state(rng["torch"])
-            if rng["cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"])
-        self.print(f"[resume] {d} at step {state['step']}")
-        return state["step"]
+        return checkpoint.restore(
+            self.out, self.draft, self.opt, self.sched, self.rank, self.world, self.device, self.print
+        )
 
     # ---- throughput ----
     def throughput(self) -> Throughput:
@@ -628,13 +391,7 @@ class Trainer:
         speed = self.throughput()
 
         def examples_of(step):
-            if isinstance(self.batches, TokenBatches):  # the step's rows as planned (a fixed count of them)
-                rows = self.batches.step_rows(step, self.dp_rank, self.dp_size)
-                first = self.batches.first(step, self.dp_rank, self.dp_size)
-                return self.host_batch(
-                    self.step_examples(step), key=step, row_sizes=[len(r) for r in rows], first=first
-                )
-            return self.host_batch(self.step_examples(step), key=step)
+            return self.batcher.step_batch(self.batches, step, self.step_examples(step))
 
         prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
         stop = StopRequest(cfg.time_limit, self.device, self.world)
@@ -645,7 +402,7 @@ class Trainer:
 
     def non_finite(self, step: int) -> FloatingPointError:
         """The error a non-finite loss stops the run with: where the last good checkpoint is, or that none is."""
-        last = self.latest_checkpoint()
+        last = next(iter(checkpoint.checkpoints(self.out)), None)
         when = (
             ""
             if self.device.type == "cpu"

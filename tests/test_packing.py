@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from core import runlog
+from core.feeding import packing
 from core.train_config import ConfigError, TrainConfig, packing_blocker
-from core.trainer import Trainer
 from data.chat import DataError, Example
 from data.datasets import collate
 from data.packing import TokenBatches, bucket_rows, first_fit_decreasing, pack, pad_batch_rows, pad_rows, plan_rows
@@ -517,17 +517,13 @@ def test_pack_on_refuses_clearly(tmp_path, tiny_run_inputs):
     'error:' line); --pack auto runs one conversation per row there and says so."""
     said = []
     for mode in ("on", "auto"):
-        t = SimpleNamespace(
-            cfg=dataclasses.replace(TrainConfig(), compile=True, pack=mode),
-            family=FAMILIES["eagle3"],
-            target=None,
-            print=said.append,
-        )
+        cfg = dataclasses.replace(TrainConfig(), compile=True, pack=mode)
         if mode == "on":
             with pytest.raises(ConfigError, match="--pack on: --compile with packed rows on a GPU"):
-                Trainer._packing(t, "cuda")
+                packing(cfg, FAMILIES["eagle3"], None, "cuda", said.append)
         else:
-            assert Trainer._packing(t, "cuda") is False and "one conversation per row" in said[-1]
+            assert packing(cfg, FAMILIES["eagle3"], None, "cuda", said.append) is False
+            assert "one conversation per row" in said[-1]
     target, data = tiny_run_inputs
     p = run_train(tmp_path / "y", target, data, 0, ["--steps", "1", "--pack", "maybe"], check=False)
     assert p.returncode != 0 and "--pack must be auto, on or off, got 'maybe'" in p.stderr
