@@ -30,10 +30,23 @@ def packing(cfg: TrainConfig, family, target, kind: str, say) -> bool:
     return cfg.pack != "off" and why is None
 
 
+def gpu_memory(cfg: TrainConfig, device: torch.device) -> int:
+    """Bytes of this GPU the run may use: all of them, or --gpu-memory GiB with PyTorch's allocator capped there
+    (called before the target loads, so the cap holds for everything the run allocates)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if not cfg.gpu_memory:
+        return total
+    cap = int(cfg.gpu_memory * 2**30)
+    if cap > total:
+        raise ConfigError(f"--gpu-memory {cfg.gpu_memory:g} GiB is more than this GPU has ({total / 2**30:.1f} GiB)")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
 def batching(cfg: TrainConfig, kind: str, pack: bool, target, device, dp_size: int, out: Path, say) -> TrainConfig:
     """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget:
-    on a GPU sized from its memory (gpu_batch_tokens); a resumed run keeps the budget it started with (the
-    same batches)."""
+    on a GPU sized from the memory the run may use (gpu_memory, gpu_batch_tokens); a resumed run keeps the
+    budget it started with (the same batches)."""
     why = []
 
     def sized() -> int:
@@ -50,7 +63,7 @@ def batching(cfg: TrainConfig, kind: str, pack: bool, target, device, dp_size: i
         if None in sizes.values():  # a config without them: the --batch-size rows
             why.append(f"{cfg.batch_size} rows: the target's config.json names no {', '.join(sizes)}")
             return cfg.batch_size * cfg.max_len
-        total = torch.cuda.get_device_properties(device).total_memory
+        total = int(cfg.gpu_memory * 2**30) or torch.cuda.get_device_properties(device).total_memory
         tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(device), dp_size)
         agreed = int(all_min(torch.tensor([tokens], device=device)).item())  # every rank the same batches
         why.append(text + (f"; {agreed} tokens, the smallest rank's" if agreed != tokens else ""))

@@ -121,6 +121,9 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     EAGLE-3.1 / LK / MoE, peagle, dflash, domino, dspark; with the hf (sdpa/eager) or compiled target, online or
     offline; --compile on CPU), off where they cannot (--compile or lse on GPU, other HF attention) | on = refuse
     to run there | off = one conversation per row"""
+    gpu_memory: float = 0.0
+    """GiB of each GPU this run may use (0: all of it): --batch-tokens auto is sized for it and PyTorch's allocator
+    is capped there (an out-of-memory error past it), as on a smaller GPU or one shared with another process"""
     pack_row_multiple: int = 0
     """packed batches get rows of padding up to a multiple of this many rows (1: none); 0 = on a GPU up to the
     next of four row counts per octave (8, 10, 12, 14, 16, 20, ...; data/packing.py bucket_rows), none on CPU:
@@ -239,6 +242,7 @@ def _check_ranges(cfg: TrainConfig):
         "moe_aux_coef": (0.0, True, math.inf),
         "loss_decay": (0.0, True, math.inf),
         "time_limit": (0.0, True, math.inf),
+        "gpu_memory": (0.0, True, math.inf),
     }
     for name, (low, closed, high) in floats.items():
         v = getattr(cfg, name)
@@ -407,9 +411,9 @@ def gpu_batch_tokens(cfg: TrainConfig, sizes: dict, total: int, in_use: int, dp:
     free = GPU_MEMORY_SHARE * total - fixed
     fits = max(0, int(free // per_token))
     rows = max(1, min(fits, GPU_TOKENS_CAP) // cfg.max_len)
-    gib = 2**30
+    gib, whose = 2**30, "--gpu-memory's" if cfg.gpu_memory else "the GPU's"
     why = (
-        f"sized from the GPU's {total / gib:.1f} GiB: the target {in_use / gib:.1f} GiB, the draft's state "
+        f"sized from {whose} {total / gib:.1f} GiB: the target {in_use / gib:.1f} GiB, the draft's state "
         f"{fixed / gib - in_use / gib:.1f} GiB, ~{per_token / 2**20:.2f} MiB a token"
     )
     if fits < cfg.max_len:

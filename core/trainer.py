@@ -16,7 +16,7 @@ import core.checkpoint as checkpoint
 from core.disagg.roles import consumer_target
 from core.distributed import all_sum, barrier, init_distributed
 from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
-from core.feeding import Batcher, batching, load_data, packing
+from core.feeding import Batcher, batching, gpu_memory, load_data, packing
 from core.optim import MuonAdamW, lr_at, muon_groups
 from core.runlog import (
     Heartbeat,
@@ -69,6 +69,8 @@ class Trainer:
             raise ConfigError(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
             )
+        if kind == "cpu" and cfg.gpu_memory:
+            raise ConfigError(f"--gpu-memory {cfg.gpu_memory:g} caps a GPU's memory, and this run is on the CPU")
         if cfg.backend not in ("auto", *BACKENDS):
             raise ConfigError(f"--backend must be auto or one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
         self.cfg = cfg
@@ -76,6 +78,7 @@ class Trainer:
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
         if kind == "cuda":
             torch.cuda.set_device(self.device)
+            gpu_memory(cfg, self.device)  # --gpu-memory: the allocator capped before anything loads
         # --tp: a (dp, tp) mesh, rank = d*tp + t. Ranks of one tp group (contiguous, so on one host's
         # NVLink) run the target on one batch together: data is split by dp rank, not rank. The draft
         # stays FSDP2 over the whole world: tp peers get identical batches, hence identical gradients,

@@ -8,7 +8,8 @@
 set -uo pipefail
 FILES=("$@")
 ((${#FILES[@]})) || FILES=(tests/test_packing.py tests/test_eagle3_ttt.py tests/test_draft_step.py
-  tests/test_families_cuda.py tests/test_kernels_cuda.py tests/test_fast_target.py tests/test_ttt_flex_buffer.py)
+  tests/test_families_cuda.py tests/test_kernels_cuda.py tests/test_fast_target.py tests/test_ttt_flex_buffer.py
+  tests/test_gpu_memory_cuda.py)
 PER=${PER_FILE_S:-150}
 R=${OUT:-/tmp}/cuda_tests.txt
 echo "# $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)" > "$R"

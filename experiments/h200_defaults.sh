@@ -7,7 +7,11 @@
 # 2. every packaged chat with the defaults for FULL_S seconds (--time-limit) under experiments/stall_probe.py:
 #    real tokens/s at the budget the defaults choose on this GPU, compiled graphs at the first and last step (no
 #    recompiles after warm-up), torch.compile's time per phase at exit.
-# ONLY="main" (or "full") runs one of the two. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# 3. ONLY=8b (not run unless named): the Llama-3.1-8B shape (random weights, tools/random_target.py; ~1 min) with
+#    the defaults at --max-len 4096 and a draft vocabulary of 32,000, 40 steps, as on an 80 GiB GPU
+#    (--gpu-memory ${GPU_GIB:-80}: the allocator capped there): the budget the defaults choose and the peak
+#    (issue 32's goal: the 8B default run within 80 GiB).
+# ONLY="main" (or "full", "8b") runs one of them. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -22,7 +26,7 @@ run() {  # name, train.py flags...
   local fresh; fresh=$(mktemp -d /tmp/fresh_${name}_XXXX)
   NANOSPEC_CACHE=$fresh TORCHINDUCTOR_CACHE_DIR=$fresh/inductor TRITON_CACHE_DIR=$fresh/triton \
   timeout -k 10 ${RUN_S:-280} python3 ${PROBE[$name]} \
-    --target $T --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
+    --target ${TARGET:-$T} --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
   echo "$name rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/${name}_default.log
   cp /tmp/defaults_$name/run.json $OUT/${name}_run.json; cp /tmp/defaults_$name/metrics.jsonl $OUT/${name}_metrics.jsonl
   grep -a "batching\|\[data\] --batch\|eval @\|step 80\|compile\|error" $OUT/${name}_default.log | cut -c1-300 | tail -12
@@ -32,6 +36,13 @@ run() {  # name, train.py flags...
 declare -A PROBE=([main]=train.py [full]="experiments/stall_probe.py --stacks $OUT/stacks_full.txt --every 30 --")
 [[ " ${ONLY:-main full} " == *" main "* ]] && run main --strategy eagle3
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
+if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
+  R8B=/tmp/llama8b
+  [[ -f $R8B/config.json ]] || python3 tools/random_target.py llama-3.1-8b $R8B --tokenizer $T > $OUT/random_target.log 2>&1
+  PROBE[8b]=train.py
+  TARGET=$R8B RUN_S=${RUN_S_8B:-420} run 8b --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
+    --draft-vocab-size 32000 --holdout 8 --gpu-memory ${GPU_GIB:-80}
+fi
 kill $SMI 2>/dev/null
 ls -la $OUT
 (cd $OUT && tar czf /tmp/defaults_out.tgz . && rm -rf ./* && mv /tmp/defaults_out.tgz .)  # one file comes back

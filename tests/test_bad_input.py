@@ -91,6 +91,7 @@ def test_bad_numbers_fail_before_anything(tmp_path, tiny_run_inputs, extra, mess
         ({"lr": -1e-3}, "--lr must be a finite number"),
         ({"grad_clip": 0.0}, "--grad-clip must be a finite number"),
         ({"min_lr_ratio": 1.5}, "--min-lr-ratio must be a finite number in [0, 1]"),
+        ({"gpu_memory": -8.0}, "--gpu-memory must be a finite number in [0, inf), got -8.0"),
         ({"log_every": 0}, "--log-every must be at least 1"),
         ({"eval_batch_size": 0}, "--eval-batch-size must be at least 1"),
         ({"ttt_length": 0}, "--ttt-length must be at least 1"),
@@ -136,6 +137,7 @@ def test_bad_option_values(tmp_path, tiny_run_inputs, kw, message, monkeypatch):
         ({"backend": "nope"}, "error: --backend must be auto or one of "),
         ({"attention": "flex", "device": "cpu"}, "error: --attention flex has no backward on CPU"),
         ({"device": "nope"}, "error: --device must be auto, cpu or cuda, got 'nope'"),  # ran on the CPU silently
+        ({"gpu_memory": 80.0, "device": "cpu"}, "error: --gpu-memory 80 caps a GPU's memory, and this run is on"),
     ],
 )
 def test_family_option_refusals_are_error_lines(tmp_path, tiny_run_inputs, kw, message):

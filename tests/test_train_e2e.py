@@ -254,6 +254,11 @@ def test_gpu_batch_tokens():
     assert tokens == GPU_TOKENS_CAP // 384 * 384 and "capped" in why
     tokens, why = gpu_batch_tokens(cfg8b, llama8b, 24 * gib, weights, dp=1)
     assert tokens == 4096 and "not even one row" in why
+    # --gpu-memory 80 on the H200: the 80 GiB GPU's budget, said to come from the option
+    capped = dataclasses.replace(cfg8b, gpu_memory=80.0)
+    tokens, why = gpu_batch_tokens(capped, llama8b, 80 * gib, weights, dp=1)
+    assert tokens == gpu_batch_tokens(cfg8b, llama8b, 80 * gib, weights, dp=1)[0] < 32768
+    assert why.startswith("sized from --gpu-memory's 80.0 GiB")
 
 
 def _min_rank(rank: int, store: str, out):

@@ -35,6 +35,7 @@ from core.disagg.control import Controller, PipelineError, plan_items
 from core.disagg.mooncake_store import MooncakeFeatureStore, start_master
 from core.distributed import destroy, pick_device
 from core.features import capture_examples, load_target, target_identity
+from core.feeding import gpu_memory
 from data.chat import DataError
 from data.datasets import build_examples, load_records, split_holdout
 from data.feature_store import FeatureStore, SampleRef, StoredExample, feature_schema, tokens_digest
@@ -124,6 +125,8 @@ def produce(cfg, vllm_target=None):
     d = cfg.deploy
     kind, dtype = pick_device(cfg.device, "auto")
     device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if kind == "cuda" else torch.device("cpu")
+    if kind == "cuda":
+        gpu_memory(cfg, device)  # --gpu-memory caps the producer's target as it does the consumer's
     target_dir = resolve_target(cfg.target)
     examples = build_examples(load_records(cfg.data, cfg.num_records or None), load_tokenizer(target_dir), cfg.max_len)
     train, evals = split_holdout(examples, cfg.holdout)
