@@ -43,10 +43,12 @@ def gpu_memory(cfg: TrainConfig, device: torch.device) -> int:
     return cap
 
 
-def batching(cfg: TrainConfig, kind: str, pack: bool, target, device, dp_size: int, out: Path, say) -> TrainConfig:
+def batching(
+    cfg: TrainConfig, kind: str, pack: bool, target, device, gpu_bytes: int, dp_size: int, out: Path, say
+) -> TrainConfig:
     """--batch-tokens -1 (auto) resolved for this device (auto_batch_tokens), saying so when it is a budget:
-    on a GPU sized from the memory the run may use (gpu_memory, gpu_batch_tokens); a resumed run keeps the
-    budget it started with (the same batches)."""
+    on a GPU sized from the `gpu_bytes` the run may use (gpu_memory's) by gpu_batch_tokens; a resumed run keeps
+    the budget it started with (the same batches)."""
     why = []
 
     def sized() -> int:
@@ -63,8 +65,7 @@ def batching(cfg: TrainConfig, kind: str, pack: bool, target, device, dp_size: i
         if None in sizes.values():  # a config without them: the --batch-size rows
             why.append(f"{cfg.batch_size} rows: the target's config.json names no {', '.join(sizes)}")
             return cfg.batch_size * cfg.max_len
-        total = int(cfg.gpu_memory * 2**30) or torch.cuda.get_device_properties(device).total_memory
-        tokens, text = gpu_batch_tokens(cfg, sizes, total, torch.cuda.memory_allocated(device), dp_size)
+        tokens, text = gpu_batch_tokens(cfg, sizes, gpu_bytes, torch.cuda.memory_allocated(device), dp_size)
         agreed = int(all_min(torch.tensor([tokens], device=device)).item())  # every rank the same batches
         why.append(text + (f"; {agreed} tokens, the smallest rank's" if agreed != tokens else ""))
         return agreed

@@ -78,7 +78,8 @@ class Trainer:
         self.device = torch.device(kind, local) if kind == "cuda" else torch.device("cpu")
         if kind == "cuda":
             torch.cuda.set_device(self.device)
-            gpu_memory(cfg, self.device)  # --gpu-memory: the allocator capped before anything loads
+        # the bytes the run may use: the GPU's, or --gpu-memory's with the allocator capped before anything loads
+        self.gpu_bytes = gpu_memory(cfg, self.device) if kind == "cuda" else 0
         # --tp: a (dp, tp) mesh, rank = d*tp + t. Ranks of one tp group (contiguous, so on one host's
         # NVLink) run the target on one batch together: data is split by dp rank, not rank. The draft
         # stays FSDP2 over the whole world: tp peers get identical batches, hence identical gradients,
@@ -106,7 +107,9 @@ class Trainer:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = packing(cfg, self.family, self.target, kind, self.print)
-        self.cfg = cfg = batching(cfg, kind, self.pack, self.target, self.device, self.dp_size, self.out, self.print)
+        self.cfg = cfg = batching(
+            cfg, kind, self.pack, self.target, self.device, self.gpu_bytes, self.dp_size, self.out, self.print
+        )
         data = load_data(cfg, self.tokenizer, self.pack, self.store, stored, self.print, self.bar)
         self.train_set, self.eval_set, self.batches = data.train_set, data.eval_set, data.batches
         self.row_len, self.data_stats, self.total_steps = data.row_len, data.stats, cfg.steps or data.batches.per_epoch
