@@ -128,7 +128,9 @@ case $PHASE in
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
       # 2026-12-02 the mix stalled in its first evaluation (batch 8, before the first step); 2026-12-03 with the
       # evaluation at the training batch and none before the first step it did not (evaluations ~1 s)
-      (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 20 $(($(left) - 30)) python3 train.py --target $T \
+      # --time-limit stops it TAIL_S (45) s before the phase's end, the timeout TAIL_S - 12 s later (checkpoint, exit)
+      # (2026-12-05: with 15 s the process was still exiting, exit 124 after its checkpoint line)
+      (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 10 $(($(left) - 12)) python3 train.py --target $T \
          --data $W/$dir --num-records 0 --holdout ${HOLDOUT:-256} --no-eval-at-start --eval-batch-size 32 \
          --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} ${extra//,/ } \
          --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size $vocab --out $R $MODE \
