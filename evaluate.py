@@ -30,7 +30,7 @@ from typing import Annotated
 import torch
 import tyro
 
-from core.batched_chain import batched_chain_generate
+from core.batched_chain import batched_generate
 from core.distributed import DTYPES
 from core.runlog import git_commit, hardware, output_kind, probe_write, versions
 from core.speculative import NgramProposer, SpecStats, TargetRunner, proposer_for, speculative_generate
@@ -87,8 +87,8 @@ def run_dataset(
 def run_dataset_batched(
     target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False
 ):
-    """run_dataset for a proposer that `batches` (EAGLE-3 chains), `batch` conversations decoded at once
-    (core/batched_chain.py); turn t of every conversation in a group runs in one batch."""
+    """run_dataset for a proposer that `batches` (EAGLE-3 chains; DFlash, DSpark and Domino blocks), `batch`
+    conversations decoded at once (core/batched_chain.py); turn t of every conversation in a group runs in one batch."""
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
         group = list(range(g, min(g + batch, len(convs))))
@@ -99,7 +99,8 @@ def run_dataset_batched(
             for c in live:
                 msgs[c].append({"role": "user", "content": convs[c][t]})
                 prompts.append(render(tokenizer, msgs[c]))
-            outs = batched_chain_generate(target.model, proposer.draft, prompts, proposer.depth, max_new, eos)
+            rows, aux_layers = proposer.rows(), proposer.draft.config.aux_layers
+            outs = batched_generate(target.model, rows, aux_layers, prompts, proposer.depth, max_new, eos)
             for c, prompt, (out, s) in zip(live, prompts, outs):
                 if check_greedy:
                     assert_greedy(target, f"{proposer.name} (batched)", prompt, out, max_new, eos)
@@ -202,8 +203,9 @@ class EvalArgs:
     threads: int = 0
     """torch threads (0 = torch's default)"""
     batch: int = 1
-    """EAGLE-3 chains: decode this many conversations at once (core/batched_chain.py; same tokens and
-    counters per conversation up to float rounding of the batched matmuls); other proposers run one at a time"""
+    """EAGLE-3 chains and DFlash / DSpark / Domino blocks: decode this many conversations at once
+    (core/batched_chain.py; same tokens and counters per conversation up to float rounding of the batched matmuls);
+    trees, P-EAGLE, a DSpark confidence cut and n-gram lookup run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
     its acceptance counters with ours (needs the vLLM venv; core/vllm_spec.py creates it)"""

@@ -1,33 +1,32 @@
-"""EAGLE-3 chain drafting for a batch of prompts at once: the same per-prompt steps as
-core/speculative.py (Eagle3Proposer with topk 1 + speculative_generate), run in lockstep.
+"""Speculative decoding for a batch of prompts at once: the same per-prompt steps as core/speculative.py
+(a proposer verified as a chain + speculative_generate), run in lockstep. The target side lives here; the
+draft side is the proposer's `rows()` (models/eagle3.py ChainRows: EAGLE-3 chains; models/dflash.py BlockRows:
+DFlash, DSpark and Domino blocks), which keeps each row's draft state over shared slots the same way.
 
 Why: batch-1 decoding is launch-bound on a GPU (the H200 spent 39 ms per verification step of
 SmolLM2-135M, almost all of it kernel launches and Python) and weight-bandwidth-bound on a CPU (each
 forward streams every weight for 8 tokens). B prompts per forward cost about one.
 
-Ragged rows without moving memory: both KV caches are shared slot arrays [B, H, S, D] that grow by
+Ragged rows without moving memory: the KV caches are shared slot arrays [B, H, S, D] that grow by
 the same number of slots for every row each step; a per-row bool `valid` [B, S] says which slots
 hold that row's committed entries, and every query attends only its row's valid slots (plus its
-own causal new slots). Rejected drafts stay in the cache as invalid slots; finished rows leave
-the batch (their rows are dropped from both caches).
+own causal new slots: kernels/masks.slot_mask). Rejected drafts stay in the cache as invalid slots;
+finished rows leave the batch (their rows are dropped from both caches).
 
 Per row, the outputs and counters are those of the batch-1 path; numerically the batched matmuls
 may round differently, so near-ties can resolve differently (tests compare in float64).
+
+A drafter (`rows()`) has: prefill(nxt [B, Pmax], aux [B, Pmax, X], valid [B, Pmax], P [B]) (the prompts; nxt is
+each row's ids shifted by one, so nxt[b, P_b - 1] is its first new token), propose(N [A], depth) -> [A, depth]
+target ids (N: committed lengths), commit(drafts, pred [A, T], n_acc [A], aux [A, T, X], N) (the verified
+step) and keep_rows(rows [A']).
 """
 
 import torch
 
 from core.speculative import SpecStats, cache_kwarg, trim_output
-from models.eagle3 import Eagle3Draft
-
-
-def _causal_new(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor) -> torch.Tensor:
-    """Mask [B, 1, T, S + T]: query t of row b sees b's valid old slots and its new slots <= t
-    that are valid (a padding query still sees slot 0 of its new block, so no row is empty)."""
-    B, T = new_valid_BT.shape
-    causal = torch.ones(T, T, dtype=torch.bool, device=valid_BS.device).tril()
-    new = causal[None] & (new_valid_BT[:, None, :] | torch.eye(T, dtype=torch.bool, device=valid_BS.device)[None])
-    return torch.cat([valid_BS[:, None, :].expand(B, T, -1), new], -1)[:, None]
+from kernels.masks import slot_mask
+from models.eagle3 import ChainRows, Eagle3Draft
 
 
 class _Target:
@@ -47,7 +46,7 @@ class _Target:
         out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=_causal_new(valid, new_valid),
+            attention_mask=slot_mask(valid, new_valid),
             use_cache=True,
             output_hidden_states=True,
             **{self.kw: self.cache},
@@ -62,87 +61,14 @@ class _Target:
         self.valid = self.valid.index_select(0, rows)
 
 
-class _Drafter:
-    """The EAGLE-3 draft over its own slot cache, in step with _Target: `past` (its KV cache), `valid` [B, S]
-    (the slots holding each row's committed entries) and `h_last` [B, 1, H] (the hidden state that proposes
-    the next step's first draft)."""
-
-    def __init__(self, draft: Eagle3Draft, embed, dev):
-        self.draft, self.embed, self.dev, self.dtype = draft, embed, dev, draft.fc.weight.dtype
-        self.draft_ids = draft.draft_ids.to(dev)  # [V_draft] draft-vocab id -> target id
-        self.past = self.valid = self.h_last = None
-
-    def prefill(self, nxt: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, P: torch.Tensor):
-        """Draft position t gets fc(aux_t) and embed(ids[t + 1]), t < P_b. nxt [B, Pmax]: each row's ids
-        shifted by one; aux [B, Pmax, K * H_target] (K aux layers); valid [B, Pmax]; P [B]: prompt lengths."""
-        B, Pmax = nxt.shape
-        ar = torch.arange(Pmax, device=self.dev)
-        out, self.past = self.draft.decode(
-            self.embed(nxt).to(self.dtype),
-            self.draft.project(aux.to(self.dtype)),
-            ar[None].expand(B, -1),
-            None,
-            _causal_new(torch.zeros(B, 0, dtype=torch.bool, device=self.dev), valid),
-        )
-        self.valid = valid
-        self.h_last = out[torch.arange(B, device=self.dev), P - 1][:, None]  # [B, 1, H]
-
-    def propose(self, N: torch.Tensor, depth: int) -> torch.Tensor:
-        """The chain of `depth` drafts per row, [A, depth] target ids; N [A]: committed lengths."""
-        A = N.shape[0]
-        # propose: depth 1 from h_last; depth j+1 feeds node j at draft position N - 2 + j
-        toks, h, spec = [], self.h_last, self.past
-        for j in range(1, depth + 1):
-            toks.append(self.draft.logits(h[:, -1]).float().argmax(-1))  # [A] draft-vocab ids
-            if j == depth:
-                break
-            S = spec[0].shape[2]
-            mask = torch.cat(
-                [self.valid, torch.ones(A, S - self.valid.shape[1] + 1, dtype=torch.bool, device=self.dev)], 1
-            )[:, None, None]
-            h, spec = self.draft.decode(
-                self.embed(self.draft_ids[toks[-1]][:, None]).to(self.dtype),
-                self.draft.carry(h),
-                (N - 2 + j)[:, None],
-                spec,
-                mask,
-            )
-        return self.draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
-
-    def commit(self, drafts: torch.Tensor, pred: torch.Tensor, n_acc: torch.Tensor, aux: torch.Tensor, N: torch.Tensor):
-        """drafts [A, depth], pred [A, T] (the target's argmax), n_acc [A] (accepted drafts), aux [A, T, K * H_target]
-        (the verify step's), N [A] (committed lengths before the step)."""
-        # commit: the draft catches up over the n+1 new positions N-1 .. N-1+n with their aux rows
-        M = int(n_acc.max()) + 1
-        m = torch.arange(M, device=self.dev)
-        new_valid = m[None] <= n_acc[:, None]  # [A, M]
-        hid = self.draft.project(aux[:, :M].to(self.dtype))  # M <= T: the verified rows 0..n (padding: later rows)
-        # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
-        bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
-        emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
-        out, self.past = self.draft.decode(
-            self.embed(emb_ids).to(self.dtype),
-            hid,
-            (N - 1)[:, None] + m[None],
-            self.past,
-            _causal_new(self.valid, new_valid),
-        )
-        self.valid = torch.cat([self.valid, new_valid], 1)
-        self.h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))  # [A, 1, H]
-
-    def keep_rows(self, rows: torch.Tensor):
-        self.past = tuple(t.index_select(0, rows) for t in self.past)
-        self.valid, self.h_last = self.valid.index_select(0, rows), self.h_last.index_select(0, rows)
-
-
-def _keep_rows(target: _Target, drafter: _Drafter, rows: list[int]):
+def _keep_rows(target: _Target, drafter, rows: list[int]):
     """Drop the finished rows (rows: the batch indices to keep) from both caches and the draft state."""
     keep = torch.tensor(rows, dtype=torch.long, device=drafter.dev)
     target.keep_rows(keep)
     drafter.keep_rows(keep)
 
 
-def _prefill(target: _Target, drafter: _Drafter, prompts: list[list[int]], ids: list[list[int]], stats: list):
+def _prefill(target: _Target, drafter, prompts: list[list[int]], ids: list[list[int]], stats: list):
     """Both caches take the prompts; each row's first new token is appended to ids[b] (its stats count the
     forward)."""
     dev, B = drafter.dev, len(prompts)
@@ -184,15 +110,24 @@ def _verify(target: _Target, last: list[int], drafts: torch.Tensor, N: torch.Ten
     return pred, n_acc, aux
 
 
-@torch.no_grad()
 def batched_chain_generate(
     model, draft: Eagle3Draft, prompts: list[list[int]], depth: int, max_new_tokens: int, eos_ids=()
 ) -> list[tuple[list[int], SpecStats]]:
     """[(output ids, SpecStats)] per prompt: greedy speculative decoding with a chain of `depth`
     EAGLE-3 drafts per step, all prompts in one batch."""
+    rows = ChainRows(draft, model.get_input_embeddings())
+    return batched_generate(model, rows, draft.config.aux_layers, prompts, depth, max_new_tokens, eos_ids)
+
+
+@torch.no_grad()
+def batched_generate(
+    model, drafter, aux_layers, prompts: list[list[int]], depth: int, max_new_tokens: int, eos_ids=()
+) -> list[tuple[list[int], SpecStats]]:
+    """[(output ids, SpecStats)] per prompt: greedy speculative decoding, `depth` drafts verified per step as a
+    chain, all prompts in one batch. drafter: a proposer's rows() (the module doc says what it has); aux_layers:
+    the target layers whose outputs the draft reads."""
     dev, eos = model.device, set(eos_ids)
-    drafter = _Drafter(draft, model.get_input_embeddings(), dev)
-    target = _Target(model.eval(), draft.config.aux_layers)
+    target = _Target(model.eval(), aux_layers)
     B = len(prompts)
     ids = [list(p) for p in prompts]
     stats = [SpecStats(prompts=1) for _ in prompts]

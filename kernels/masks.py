@@ -218,6 +218,20 @@ def peagle_mask(pos: torch.Tensor, depth: torch.Tensor, doc_ids: torch.Tensor | 
     return peagle
 
 
+def slot_mask(valid_BS: torch.Tensor, new_valid_BT: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Dense bool mask [B, 1, T, S + T] for decoding many prompts over shared cache slots (core/batched_chain.py):
+    query t of row b sees b's valid old slots [B, S], and of the T new slots those that are valid and, when causal,
+    <= t (a padding query still sees its own new slot, so no row is empty); not causal: every new slot (a DFlash
+    block attends to itself both ways)."""
+    B, T = new_valid_BT.shape
+    dev = valid_BS.device
+    see = torch.ones(T, T, dtype=torch.bool, device=dev)
+    if causal:
+        see = see.tril()
+    new = see[None] & (new_valid_BT[:, None, :] | torch.eye(T, dtype=torch.bool, device=dev)[None])
+    return torch.cat([valid_BS[:, None, :].expand(B, T, -1), new], -1)[:, None]
+
+
 def mask_grid(mask_mod, B: int, H: int, Q_LEN: int, KV_LEN: int, device="cpu") -> torch.Tensor:
     """Element-level boolean mask [B, H, Q_LEN, KV_LEN] by evaluating mask_mod on broadcast
     index grids (no vmap). Memory is B*H*Q*KV bytes: for tests and small shapes."""

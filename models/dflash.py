@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ce import hard_cross_entropy
-from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid
+from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid, slot_mask
 from models.block_serving import DFLASH, BlockServing
 from models.family import PARALLEL_ATTENTIONS, Family, generator, parallel_attention, parallel_auto, pick_mask_token
 from models.layers import (
@@ -369,11 +369,28 @@ class DFlashDraft(nn.Module):
         attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
         return self.blocks(embed_tokens(ids), pos, ctx_kv, attend)[0, off : off + self.K]
 
+    def block_hidden_rows(self, anchors_A, anchor_pos_A, ctx_kv, ctx_valid_AS, embed_tokens):
+        """block_hidden for A rows at once -> [A, K, H]: row a's block sits at anchor_pos_A[a] and attends the
+        context slots ctx_valid_AS [A, S] marks as its own (ctx_kv: per layer (k, v) [A, Hkv, S, D]) and itself."""
+        bs, off = self.config.block_size, self.prediction_offset
+        A, dev = anchors_A.shape[0], anchors_A.device
+        ids = torch.full((A, bs), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors_A
+        pos = anchor_pos_A[:, None] + torch.arange(bs, device=dev)[None]
+        mask = slot_mask(ctx_valid_AS, torch.ones(A, bs, dtype=torch.bool, device=dev), causal=False)
+        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+        return self.blocks(embed_tokens(ids), pos, ctx_kv, attend)[:, off : off + self.K]
+
+    def greedy_rows(self, z_AKH, anchors_A, embed_tokens, head_VH) -> torch.Tensor:
+        """Greedy drafts [A, K] (target ids) from the drafted slots' hidden states (DSpark and Domino add
+        their heads, left to right from the anchor)."""
+        return (z_AKH @ head_VH.T.to(z_AKH.dtype)).argmax(-1)
+
     @torch.no_grad()
     def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
         """Greedy drafts of one block: K target token ids (one parallel forward)."""
-        h = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)
-        return (h @ head_VH.T.to(h.dtype)).argmax(-1).tolist()
+        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)[None]
+        return self.greedy_rows(z, torch.tensor([anchor_id], device=z.device), embed_tokens, head_VH)[0].tolist()
 
 
 # ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
@@ -415,6 +432,50 @@ class BlockProposer(Proposer):
     def propose(self, ids) -> Tree:
         toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)[: self.depth]
         return Tree(list(toks), list(range(-1, len(toks) - 1)))
+
+    batches = True  # core/batched_chain.py decodes many prompts at once through rows()
+
+    def rows(self) -> "BlockRows":
+        return BlockRows(self.draft, self.embed, self.head)
+
+
+class BlockRows:
+    """Block drafting for many prompts at once (core/batched_chain.py runs it in lockstep with its target; the
+    rows' version of BlockProposer): per layer context (k, v) [A, Hkv, S, D] over shared slots, `valid` [A, S] (the
+    slots holding each row's committed context: positions 0..N-2) and `last` [A] (each row's newest committed
+    token, the next block's anchor at position N - 1)."""
+
+    def __init__(self, draft: DFlashDraft, embed_tokens, head_weight):
+        self.draft, self.embed, self.head = draft, embed_tokens, head_weight
+        self.dev = draft.fc.weight.device
+        self.kv = self.valid = self.last = None
+
+    def prefill(self, nxt, aux, valid, P):
+        """The prompts' context: aux [B, Pmax, X] at positions 0..Pmax-1 (valid [B, Pmax]); nxt [B, Pmax] holds each
+        row's first new token at P_b - 1 (the first anchor)."""
+        B, Pmax = nxt.shape
+        ctx = self.draft.context(aux)
+        self.kv = self.draft.context_kv(ctx, torch.arange(Pmax, device=self.dev)[None].expand(B, -1))
+        self.valid, self.last = valid, nxt[torch.arange(B, device=self.dev), P - 1]
+
+    def propose(self, N, depth: int):
+        """The first `depth` drafts of each row's block [A, depth] (target ids); N [A]: committed lengths."""
+        z = self.draft.block_hidden_rows(self.last, N - 1, self.kv, self.valid, self.embed)
+        return self.draft.greedy_rows(z, self.last, self.embed, self.head)[:, :depth]
+
+    def commit(self, drafts, pred, n_acc, aux, N):
+        """The verified rows 0..n_acc of aux [A, T, X] become context at positions N-1 .. N-1+n_acc; the target's
+        token after them (pred [A, T] at n_acc) is the next anchor."""
+        M = int(n_acc.max()) + 1
+        m = torch.arange(M, device=self.dev)
+        new = self.draft.context_kv(self.draft.context(aux[:, :M]), (N - 1)[:, None] + m[None])
+        self.kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.valid = torch.cat([self.valid, m[None] <= n_acc[:, None]], 1)
+        self.last = pred.gather(1, n_acc[:, None])[:, 0]
+
+    def keep_rows(self, rows):
+        self.kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.kv]
+        self.valid, self.last = self.valid.index_select(0, rows), self.last.index_select(0, rows)
 
 
 # ---------------------------------------------------------------- the family contract (models/family.py)

@@ -119,8 +119,10 @@ class DominoDraft(DFlashDraft):
         return loss, stats
 
     # ---- inference ----
-    def gru_step(self, emb_1E, state_1G):
-        _, s = self.prefix_gru(emb_1E[None].to(self.fc.weight.dtype), None if state_1G is None else state_1G[None])
+    def gru_rows(self, emb_AE, state_AG):
+        """One GRU step for A rows: embeddings [A, E], states [A, G] (None: zero) -> new states [A, G]."""
+        h0 = None if state_AG is None else state_AG[None]
+        _, s = self.prefix_gru(emb_AE[:, None].to(self.fc.weight.dtype), h0)
         return s[0]
 
     @torch.no_grad()
@@ -130,18 +132,29 @@ class DominoDraft(DFlashDraft):
         """(base, final) logits [K, V] of one block. tokens = the K drafted tokens to condition the
         head on (teacher forcing); None = greedy: each drafted token is the argmax of its final
         logits and feeds the GRU for the next one."""
-        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)  # [K, H]
-        base = z @ head_VH.T.to(z.dtype)
-        final = base.clone()
+        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)[None]  # [1, K, H]
         dev = z.device
-        s = self.gru_step(embed_tokens(torch.tensor([anchor_id], device=dev)), None)  # after the anchor
+        forced = None if tokens is None else torch.tensor([tokens], device=dev)
+        base, final = self.head_rows(z, torch.tensor([anchor_id], device=dev), embed_tokens, head_VH, forced)
+        return base[0], final[0]
+
+    def head_rows(self, z_AKH, anchors_A, embed_tokens, head_VH, tokens_AK=None):
+        """(base, final) logits [A, K, V] of A blocks: the GRU reads each anchor, then each drafted token (the
+        greedy one, or tokens_AK's), and corrects the slots after the first."""
+        base = z_AKH @ head_VH.T.to(z_AKH.dtype)
+        final = base.clone()
+        s = self.gru_rows(embed_tokens(anchors_A), None)  # after the anchor
         for k in range(self.K):
             if k > 0:
-                final[k] += self.correction(z[k : k + 1], s)[0]
-            t = int(final[k].argmax()) if tokens is None else tokens[k]
+                final[:, k] += self.correction(z_AKH[:, k], s)
+            t = final[:, k].argmax(-1) if tokens_AK is None else tokens_AK[:, k]
             if k + 1 < self.K:
-                s = self.gru_step(embed_tokens(torch.tensor([t], device=dev)), s)
+                s = self.gru_rows(embed_tokens(t), s)
         return base, final
+
+    def greedy_rows(self, z_AKH, anchors_A, embed_tokens, head_VH) -> torch.Tensor:
+        """Greedy drafts [A, K]: one parallel backbone forward, then K - 1 cheap GRU steps."""
+        return self.head_rows(z_AKH, anchors_A, embed_tokens, head_VH)[1].argmax(-1)
 
     @torch.no_grad()
     def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:

@@ -86,7 +86,8 @@ class DSparkDraft(DFlashDraft):
 
     def confidence_logit(self, z_NH, e_Nr):
         x = torch.cat([z_NH, e_Nr], -1) if self.config.confidence_with_markov else z_NH
-        return self.confidence_head.proj(x.float())[:, 0]
+        w = self.confidence_head.proj.weight  # fp32 in training; the draft's dtype when served (bf16, or fp64 in tests)
+        return self.confidence_head.proj(x.to(w.dtype)).float()[:, 0]
 
     # ---- training ----
     def forward(self, batch: BlockBatch, counts: torch.Tensor, attention: str = "dense", gamma: float = GAMMA):
@@ -129,16 +130,27 @@ class DSparkDraft(DFlashDraft):
         """(logits [K, V], confidence [K]) of one block: the parallel backbone, then the Markov
         head left to right. tokens = the drafted tokens to condition on; None = greedy (what vLLM's
         DSparkSpeculator does with draft_sample_method greedy)."""
-        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)  # [K, H]
-        base = z @ head_VH.T.to(z.dtype)
-        logits, conf = torch.empty_like(base), torch.empty(self.K, device=z.device)
-        prev = torch.tensor([anchor_id], device=z.device)
+        z = self.block_hidden(anchor_id, anchor_pos, ctx_kv, embed_tokens)[None]  # [1, K, H]
+        dev = z.device
+        forced = None if tokens is None else torch.tensor([tokens], device=dev)
+        logits, conf = self.head_rows(z, torch.tensor([anchor_id], device=dev), head_VH, forced)
+        return logits[0], conf[0]
+
+    def head_rows(self, z_AKH, anchors_A, head_VH, tokens_AK=None):
+        """(logits [A, K, V], confidence [A, K]) of A blocks from their drafted slots' states z: the Markov head left
+        to right from each anchor, fed the greedy token (tokens_AK None) or the given ones."""
+        base = z_AKH @ head_VH.T.to(z_AKH.dtype)
+        logits, conf = torch.empty_like(base), torch.empty(base.shape[:2], device=z_AKH.device)
+        prev = anchors_A
         for k in range(self.K):
-            e = self.markov_head.markov_w1(prev)  # [1, r]
-            logits[k] = base[k] + self.markov_head.markov_w2(e)[0]
-            conf[k] = torch.sigmoid(self.confidence_logit(z[k : k + 1], e))[0]
-            prev = logits[k].argmax()[None] if tokens is None else torch.tensor([tokens[k]], device=z.device)
+            e = self.markov_head.markov_w1(prev)  # [A, r]
+            logits[:, k] = base[:, k] + self.markov_head.markov_w2(e)
+            conf[:, k] = torch.sigmoid(self.confidence_logit(z_AKH[:, k], e))
+            prev = logits[:, k].argmax(-1) if tokens_AK is None else tokens_AK[:, k]
         return logits, conf
+
+    def greedy_rows(self, z_AKH, anchors_A, embed_tokens, head_VH) -> torch.Tensor:
+        return self.head_rows(z_AKH, anchors_A, head_VH)[0].argmax(-1)
 
     @torch.no_grad()
     def propose(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens, head_VH) -> list[int]:
@@ -158,6 +170,10 @@ class DSparkProposer(BlockProposer):
             raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
         self.min_survival = min_survival
         self.confidence: list[list[float]] = []  # c_k of every proposed block
+
+    @property
+    def batches(self) -> bool:  # a confidence cut verifies a different number of drafts per row: one at a time
+        return self.min_survival <= 0
 
     def propose(self, ids) -> Tree:
         logits, conf = self.draft.block_logits(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)

@@ -49,6 +49,7 @@ from torch import nn
 from data.vocab import draft_to_target
 from kernels.ce import soft_cross_entropy
 from kernels.fused_ce import fused_linear_soft_ce
+from kernels.masks import slot_mask
 from kernels.ttt_attention import TTTFlexAttention, ttt_attention_eager, ttt_attention_flex, ttt_attention_lse
 from models.eagle_serving import EagleServing
 from models.family import Family, with_vocab
@@ -441,6 +442,81 @@ def local_counts(batch: Eagle3Batch, t2d, ttt_length: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- decoding (evaluate.py, gate.py)
+class ChainRows:
+    """EAGLE-3 chains for many prompts at once (core/batched_chain.py runs them in lockstep, its target beside
+    them; Eagle3Proposer.rows makes one): the draft over its own slot cache: `past` (its KV cache), `valid` [B, S]
+    (the slots holding each row's committed entries) and `h_last` [B, 1, H] (the hidden state that proposes
+    the next step's first draft)."""
+
+    def __init__(self, draft: Eagle3Draft, embed):
+        self.draft, self.embed = draft, embed
+        self.dev, self.dtype = draft.fc.weight.device, draft.fc.weight.dtype
+        self.draft_ids = draft.draft_ids.to(self.dev)  # [V_draft] draft-vocab id -> target id
+        self.past = self.valid = self.h_last = None
+
+    def prefill(self, nxt: torch.Tensor, aux: torch.Tensor, valid: torch.Tensor, P: torch.Tensor):
+        """Draft position t gets fc(aux_t) and embed(ids[t + 1]), t < P_b. nxt [B, Pmax]: each row's ids
+        shifted by one; aux [B, Pmax, K * H_target] (K aux layers); valid [B, Pmax]; P [B]: prompt lengths."""
+        B, Pmax = nxt.shape
+        ar = torch.arange(Pmax, device=self.dev)
+        out, self.past = self.draft.decode(
+            self.embed(nxt).to(self.dtype),
+            self.draft.project(aux.to(self.dtype)),
+            ar[None].expand(B, -1),
+            None,
+            slot_mask(torch.zeros(B, 0, dtype=torch.bool, device=self.dev), valid),
+        )
+        self.valid = valid
+        self.h_last = out[torch.arange(B, device=self.dev), P - 1][:, None]  # [B, 1, H]
+
+    def propose(self, N: torch.Tensor, depth: int) -> torch.Tensor:
+        """The chain of `depth` drafts per row, [A, depth] target ids; N [A]: committed lengths."""
+        A = N.shape[0]
+        # propose: depth 1 from h_last; depth j+1 feeds node j at draft position N - 2 + j
+        toks, h, spec = [], self.h_last, self.past
+        for j in range(1, depth + 1):
+            toks.append(self.draft.logits(h[:, -1]).float().argmax(-1))  # [A] draft-vocab ids
+            if j == depth:
+                break
+            S = spec[0].shape[2]
+            mask = torch.cat(
+                [self.valid, torch.ones(A, S - self.valid.shape[1] + 1, dtype=torch.bool, device=self.dev)], 1
+            )[:, None, None]
+            h, spec = self.draft.decode(
+                self.embed(self.draft_ids[toks[-1]][:, None]).to(self.dtype),
+                self.draft.carry(h),
+                (N - 2 + j)[:, None],
+                spec,
+                mask,
+            )
+        return self.draft_ids[torch.stack(toks, 1)]  # [A, depth] target ids
+
+    def commit(self, drafts: torch.Tensor, pred: torch.Tensor, n_acc: torch.Tensor, aux: torch.Tensor, N: torch.Tensor):
+        """drafts [A, depth], pred [A, T] (the target's argmax), n_acc [A] (accepted drafts), aux [A, T, K * H_target]
+        (the verify step's), N [A] (committed lengths before the step)."""
+        # commit: the draft catches up over the n+1 new positions N-1 .. N-1+n with their aux rows
+        M = int(n_acc.max()) + 1
+        m = torch.arange(M, device=self.dev)
+        new_valid = m[None] <= n_acc[:, None]  # [A, M]
+        hid = self.draft.project(aux[:, :M].to(self.dtype))  # M <= T: the verified rows 0..n (padding: later rows)
+        # the tokens fed: the n accepted drafts, then the target's bonus token (padding repeats it)
+        bonus = pred.gather(1, n_acc[:, None])  # [A, 1]
+        emb_ids = torch.where(m[None] < n_acc[:, None], torch.cat([drafts, bonus], 1)[:, :M], bonus)
+        out, self.past = self.draft.decode(
+            self.embed(emb_ids).to(self.dtype),
+            hid,
+            (N - 1)[:, None] + m[None],
+            self.past,
+            slot_mask(self.valid, new_valid),
+        )
+        self.valid = torch.cat([self.valid, new_valid], 1)
+        self.h_last = out.gather(1, n_acc[:, None, None].expand(-1, 1, out.shape[-1]))  # [A, 1, H]
+
+    def keep_rows(self, rows: torch.Tensor):
+        self.past = tuple(t.index_select(0, rows) for t in self.past)
+        self.valid, self.h_last = self.valid.index_select(0, rows), self.h_last.index_select(0, rows)
+
+
 class Eagle3Proposer(Proposer):
     """EAGLE-3 drafting with KV cache; chain when topk == 1, else a top-k-per-depth tree."""
 
@@ -458,6 +534,9 @@ class Eagle3Proposer(Proposer):
     @property
     def batches(self) -> bool:  # chains only: core/batched_chain.py has no trees
         return self.topk == 1
+
+    def rows(self) -> ChainRows:
+        return ChainRows(self.draft, self.embed)
 
     def _emb(self, tokens: list[int]):
         w = self.embed.weight

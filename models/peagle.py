@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask
-from models.eagle3 import Eagle3Config, Eagle3Draft, Eagle3Proposer, EagleOptions
+from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask, slot_mask
+from models.eagle3 import ChainRows, Eagle3Config, Eagle3Draft, Eagle3Proposer, EagleOptions
 from models.eagle_serving import EagleServing
 from models.family import (
     PARALLEL_ATTENTIONS,
@@ -223,7 +223,7 @@ class PEagleProposer(Eagle3Proposer):
     to each other (vLLM's parallel_drafting layout). depth k < K drafts the first k (the slots are
     causal, so they are the first k of the K)."""
 
-    batches = False  # one parallel forward a step, not the chain core/batched_chain.py runs
+    batches = True  # core/batched_chain.py runs it through rows() (ParallelRows)
 
     def __init__(self, draft, embed_tokens, depth: int | None = None):
         super().__init__(draft, embed_tokens, depth=verified_depth(depth, draft.K))
@@ -240,6 +240,26 @@ class PEagleProposer(Eagle3Proposer):
             out, _ = d.decode(emb, hid, pos, self.past)  # causal among the slots, full view of the cache
             toks += d.logits(out[0]).argmax(-1).tolist()
         return Tree([int(self.draft_ids[t]) for t in toks], list(range(-1, K - 1)))
+
+    def rows(self) -> "ParallelRows":
+        return ParallelRows(self.draft, self.embed)
+
+
+class ParallelRows(ChainRows):
+    """P-EAGLE drafting for many prompts at once: EAGLE-3's rows (the same cache and catch-up), proposing each
+    row's tokens from one parallel forward as PEagleProposer.propose does."""
+
+    def propose(self, N, depth: int):
+        d, A = self.draft, N.shape[0]
+        toks = [d.logits(self.h_last[:, -1]).float().argmax(-1)[:, None]]  # [A, 1] draft-vocab ids
+        if depth > 1:
+            ids = torch.full((A, depth - 1), d.config.mask_token_id, dtype=torch.long, device=self.dev)
+            hid = d.project(d.mask_hidden.to(self.dtype)).expand(A, depth - 1, -1)
+            pos = (N - 1)[:, None] + torch.arange(depth - 1, device=self.dev)[None]
+            new = torch.ones(A, depth - 1, dtype=torch.bool, device=self.dev)  # causal among the slots
+            out, _ = d.decode(self.embed(ids).to(self.dtype), hid, pos, self.past, slot_mask(self.valid, new))
+            toks.append(d.logits(out).float().argmax(-1))  # [A, depth - 1]
+        return self.draft_ids[torch.cat(toks, 1)]  # [A, depth] target ids
 
 
 # ---------------------------------------------------------------- the family contract (models/family.py)

@@ -41,9 +41,12 @@ class Proposer:
 
     name = "none"
     needs_aux = False
-    # its steps are EAGLE-3 chains over the draft's own KV cache, which core/batched_chain.py runs in lockstep
-    # for many prompts at once (evaluate.py --batch); a proposer without it decodes one prompt at a time
+    # True: rows() gives the draft side for many prompts at once, which core/batched_chain.py runs in lockstep
+    # (evaluate.py --batch; EAGLE-3 chains, DFlash / DSpark / Domino blocks); else one prompt at a time
     batches = False
+
+    def rows(self):
+        raise NotImplementedError(f"{self.name} decodes one prompt at a time")
 
     def prefill(self, ids: list[int], aux):
         pass

@@ -5,10 +5,10 @@ lengths, rows that finish early (EOS, max_new_tokens) and rows that keep going."
 import pytest
 import torch
 
-from core.batched_chain import batched_chain_generate
+from core.batched_chain import batched_chain_generate, batched_generate
 from core.speculative import NgramProposer, TargetRunner, speculative_generate
 from models.eagle3 import Eagle3Proposer
-from models.peagle import PEagleConfig, PEagleDraft, PEagleProposer
+from models.peagle import ParallelRows, PEagleConfig, PEagleDraft, PEagleProposer
 from models.proposer import Proposer
 from tests.test_speculative import hf_greedy, one_thread, random_draft  # noqa: F401 (one_thread: autouse fixture)
 from tests.tiny import tiny_llama
@@ -126,12 +126,59 @@ def test_max_new_tokens_one_and_single_prompt():
 
 def test_which_proposers_batch():
     """evaluate.py --batch hands a proposer to core/batched_chain.py by its `batches` (it names no family): EAGLE-3
-    chains only; not its trees, not P-EAGLE (an Eagle3Proposer subclass drafting K in one forward), not n-grams."""
+    chains and P-EAGLE (tests/test_batched_blocks.py: the block families); not EAGLE-3 trees, not n-grams."""
     hf = tiny_llama(seed=0)
     draft, aux = random_draft(hf, 0)
     emb = hf.get_input_embeddings()
     peagle = PEagleDraft(PEagleConfig.from_target(hf.config, 48, aux, mask_token_id=1, depths=4))
     assert Eagle3Proposer(draft, emb, depth=3).batches
     assert not Eagle3Proposer(draft, emb, depth=3, topk=2).batches
-    assert not PEagleProposer(peagle, emb).batches
+    assert PEagleProposer(peagle, emb).batches and isinstance(PEagleProposer(peagle, emb).rows(), ParallelRows)
     assert not NgramProposer(3).batches and not Proposer().batches
+
+
+@pytest.mark.parametrize("seed,K,depth", [(4, 4, 4), (1, 5, 2), (2, 3, 1)])
+def test_batched_peagle_equals_batch_one(seed, K, depth):
+    """P-EAGLE's rows (one parallel forward per step over the EAGLE-3 rows' cache) give the batch-1 outputs and
+    counters per prompt, float64."""
+    hf = tiny_llama(vocab=24, seed=seed).double()
+    torch.manual_seed(seed)
+    aux = [0, 2, 4]
+    d = PEagleDraft(PEagleConfig.from_target(hf.config, 16, aux, mask_token_id=1, depths=K))
+    for p in d.parameters():  # larger random weights than the init, so drafts vary
+        torch.nn.init.normal_(p, std=0.3)
+    ids = torch.randperm(24)[:16].sort().values
+    d.d2t.copy_(ids - torch.arange(16))
+    d.t2d.zero_()
+    d.t2d[ids] = True
+    d = d.double().eval()
+    prompts = [[t % 24 for t in p] for p in prompts_for(seed, 6)]
+    emb = hf.get_input_embeddings()
+
+    def batch_one(eos=()):
+        return [speculative_generate(TargetRunner(hf, aux), PEagleProposer(d, emb, depth), p, 30, eos) for p in prompts]
+
+    eos = [batch_one()[2][0][5]]
+    ref = batch_one(eos)
+    got = batched_generate(hf, PEagleProposer(d, emb, depth).rows(), aux, prompts, depth, 30, eos)
+    assert len({len(o) for o, _ in ref}) > 1 and len({s.accepted for _, s in ref}) > 1
+    assert [o for o, _ in got] == [o for o, _ in ref] and [s for _, s in got] == [s for _, s in ref]
+    # the slots' drafts are seldom accepted from a random draft: their tokens themselves, first step, every row
+    first = [first_proposal(hf, PEagleProposer(d, emb, depth), aux, p) for p in prompts]
+    assert first_proposals_batched(hf, PEagleProposer(d, emb, depth).rows(), aux, prompts, depth) == first
+
+
+def first_proposal(hf, proposer, aux, prompt) -> list[int]:
+    """The tokens a batch-1 proposer drafts at its first step (after the prompt and the first token)."""
+    seen, propose = [], proposer.propose
+    proposer.propose = lambda ids: seen.append(propose(ids)) or seen[-1]
+    speculative_generate(TargetRunner(hf, aux), proposer, prompt, 2)
+    return seen[0].tokens
+
+
+def first_proposals_batched(hf, rows, aux, prompts, depth) -> list[list[int]]:
+    """The tokens a rows drafter drafts for every prompt at the first batched step."""
+    seen, propose = [], rows.propose
+    rows.propose = lambda N, k: seen.append(propose(N, k)) or seen[-1]
+    batched_generate(hf, rows, aux, prompts, depth, 2)
+    return seen[0].tolist()
