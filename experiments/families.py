@@ -13,9 +13,11 @@ per verification step and the expected speed-up.
 
 Every family is trained for K = --ttt-length (7) and evaluated at each K of --eval-ks: EAGLE-3 chains
 draft K deep; the fixed-K families draft their 7 per forward and the first K are verified
-(evaluate.py -k), so at K = 3 a block drafter still pays for its whole block. Per (benchmark, K),
-evaluate.py times drafting (propose + catch-up) and verification forwards at batch 1 (core/speculative.py);
-then
+(evaluate.py -k), so at K = 3 a block drafter still pays for its whole block. Per (benchmark, K), τ and the
+per-position acceptance come from --num-prompts conversations decoded --eval-batch at once (the whole sets on a
+GPU; core/batched_chain.py, per conversation equal to batch 1), and the draft cost from --cost-prompts of them
+decoded again one at a time, where evaluate.py times drafting (propose + catch-up) and verification forwards
+(core/speculative.py); then
 
     c        = draft seconds per verification step / target seconds per verification step
     speed-up = τ / (1 + c)     (a step costs one target forward plus its drafting and emits τ tokens;
@@ -35,6 +37,7 @@ experiments/README.md ("Families side by side") has the H200 command and its bud
 
 import dataclasses
 import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +45,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments.sweep import BENCHMARKS, COLUMNS, RESULTS, Sweep, SweepArgs, main  # noqa: E402
+from experiments.sweep import BENCHMARKS, COLUMNS, RESULTS, Sweep, SweepArgs, _last_json, main  # noqa: E402
 
 SETTINGS = [
     ("eagle3", []),
@@ -76,24 +79,31 @@ def columns(ks) -> list[str]:
 @dataclass
 class FamiliesArgs(SweepArgs):
     data: str = "sharegpt-greedy"  # the shipped draft's recipe, not the sweeps' v1 (experiments/README.md)
-    """v3, the regenerated ShareGPT (train.py's default; the shipped draft adds the domain mix, data/smollm2_domains)"""
+    """v3, the regenerated ShareGPT (train.py's default); on the H200 the shipped draft's mix (experiments/h200_scale.sh
+    builds it: --data /tmp/scale/mix_data)"""
     max_len: int = 1024  # the shipped draft's recipe too
     holdout: int = 256
-    steps: int = 400
-    """the token budget: 400 x 32 conversations (~2 epochs of the 6,316 trained chats; experiments/README.md)"""
+    steps: int = 2000
+    """the token budget: 2,000 x 32 conversations, where the shipped recipe (warm-up 200) had held-out acc_0 0.777
+    (issue 33 asks for eagle3 >= 0.765; experiments/results/scale_h200/warmup200_5600/)"""
+    train_args: str = "--pad-to-max-len --warmup 200"
+    """the shipped recipe's flags beyond the columns (one shape per TTT step; 200 warm-up steps)"""
     eval_ks: tuple[int, ...] = KS
     """verified draft tokens per step of the evaluation (replaces --eval-k); each at most --ttt-length"""
     all_seeds: tuple[str, ...] = ("eagle3", "dflash")
     """the settings run at every seed of --seeds; the others at the first only"""
-    num_prompts: int = 3
-    """conversations per benchmark (MT-Bench: 2 turns each)"""
-    eval_batch: int = 1
-    """batch 1: the draft cost is timed per conversation (batched chains are not timed)"""
+    num_prompts: int = 250
+    """conversations per benchmark for τ (MT-Bench: 80 with 2 turns each, HumanEval 164, GSM8K the first 250)"""
+    eval_batch: int = 64
+    """conversations decoded at once for τ (evaluate.py --batch: every family here but EAGLE-3 trees batches)"""
+    cost_prompts: int = 4
+    """conversations per benchmark decoded again one at a time, whose timed steps give the draft cost c (batched
+    steps are not timed); 0 = none: the τ pass must then run at --eval-batch 1 and is timed itself"""
 
     def scale(self) -> dict:
         s = super().scale()
         del s["eval_k"]
-        return {**s, "eval_ks": list(self.eval_ks)}
+        return {**s, "eval_ks": list(self.eval_ks), "cost_prompts": self.cost_prompts}
 
 
 def pick(by_proposer: dict, k: int) -> dict:
@@ -112,6 +122,28 @@ class FamiliesSweep(Sweep):
 
     def seeds_of(self, setting: str) -> tuple[int, ...]:
         return self.a.seeds if setting in self.a.all_seeds else self.a.seeds[:1]
+
+    def eval_cmd(self, run: Path) -> list[str]:
+        """τ on --num-prompts at --eval-batch, then (--cost-prompts) the draft cost from batch-1 conversations."""
+        tau = super().eval_cmd(run)
+        if not self.a.cost_prompts:
+            return tau
+        cost = super().eval_cmd(run, num_prompts=self.a.cost_prompts, batch=1, name="eval_cost")
+        return ["bash", "-c", f"{shlex.join(tau)} && {shlex.join(cost)}"]
+
+    def eval_results(self, run: Path) -> dict:
+        """The τ pass's summaries with the cost pass's timings: its draft and target seconds per verification step
+        give c, and the expected speed-up is the τ pass's τ / (1 + c)."""
+        results = super().eval_results(run)
+        if not self.a.cost_prompts:
+            return results
+        cost = _last_json(run / "eval_cost.jsonl")["results"]
+        for b, by_proposer in results.items():
+            for name, s in by_proposer.items():
+                c = cost[b][name]
+                s.update({f: c[f] for f in ("drafts", "draft_seconds", "target_seconds", "draft_cost")})
+                s["expected_speedup"] = s["tau"] / (1 + c["draft_cost"])
+        return results
 
     def metrics(self, results: dict) -> dict:
         row = {"eval_ks": " ".join(map(str, self.ks))}
@@ -139,6 +171,10 @@ class FamiliesSweep(Sweep):
 def prepare(a: FamiliesArgs) -> FamiliesArgs:
     if max(a.eval_ks) > a.ttt_length:
         raise SystemExit(f"--eval-ks {a.eval_ks}: the fixed-K families draft --ttt-length {a.ttt_length} per step")
+    if a.smoke:  # smoke_args' one prompt a set: one timed conversation too
+        a = dataclasses.replace(a, cost_prompts=min(a.cost_prompts, 1))
+    if not a.cost_prompts and a.eval_batch > 1:
+        raise SystemExit("--cost-prompts 0 times the τ pass itself: give --eval-batch 1 (batched steps are not timed)")
     return a if a.csv else dataclasses.replace(a, csv=str(RESULTS / "families_h200.csv"))
 
 

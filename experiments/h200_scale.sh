@@ -17,7 +17,7 @@
 # stacks every 20 s, torch.compile's times at exit), the failing configuration on the mix, on the v3 file
 # alone, and eager (packed rows); PROBE_S seconds. Phases run in order in one call: `h200_scale.sh gen probe`.
 set -uo pipefail
-(($#)) || { echo "usage: h200_scale.sh bench|gen|probe|train ..."; exit 2; }
+(($#)) || { echo "usage: h200_scale.sh bench|gen|probe|train|families ..."; exit 2; }
 PHASES="$*"
 T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}  # TARGET: another model (a CPU dry run)
 W=/tmp/scale
@@ -67,7 +67,9 @@ case $PHASE in
     jobs=()
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
       declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) for PROMPT_S s (a quarter of what is left)
-      (zcat data/smollm2_domains/prompts_$d.jsonl.gz data/smollm2_domains/prompts_${d}_seed*.jsonl.gz > $W/p_$d.jsonl
+      # SHIPPED_MIX=1: the seed-7 prompts only (the shipped draft's mix, all of it answered in ~200 s: issue 33)
+      more=(data/smollm2_domains/prompts_${d}_seed*.jsonl.gz); [[ -n ${SHIPPED_MIX:-} ]] && more=()
+      (zcat data/smollm2_domains/prompts_$d.jsonl.gz "${more[@]}" > $W/p_$d.jsonl
        PS=${PROMPT_S:-$(($(left) / 4))}  # one call with 82 s wrote nothing: three processes converting and compiling
        [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $PS python3 capture.py prompts --target $T \
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
@@ -146,6 +148,18 @@ case $PHASE in
     wait "${jobs[@]}"
     sleep 1; grep -ah "eval @\|error\|exit" $OUT/train_*.log | tail -8
     grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
+  families)  # issue 33: experiments/families.py on the shipped draft's mix (after `SHIPPED_MIX=1 GEN_S=220 ... gen` in
+    # the same call), FAMILIES="eagle3 dflash ..." (default: every setting), PARALLEL trainings at once; runs stopped by
+    # the call's limit resume in the next call (the same command), finished ones are evaluated (whole sets at batch
+    # 64, 4 conversations a set at batch 1 for the draft cost) and skipped after
+    DEADLINE=$LIMIT
+    mix_data
+    timeout -k 10 $(($(left) - 15)) python3 experiments/families.py --target $T --data $W/mix_data --num-records 0 \
+      --eval-device cuda --parallel ${PARALLEL:-3} --time-limit $(($(left) - ${EVAL_S:-150})) --budget-minutes 0 \
+      --runs-dir $W/families --csv $W/families_h200.csv ${FAMILIES:+--only $FAMILIES} ${FAMILIES_ARGS:-} >> $W/families.log 2>&1
+    echo "families.py exit $?" >> $W/families.log
+    cp $W/families.log $OUT/; [[ -f $W/families_h200.csv ]] && cp $W/families_h200.csv $OUT/
+    grep -a "^\[families\]" $W/families.log | cut -c1-250 | tail -20 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 done

@@ -107,6 +107,9 @@ class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, Target
     """evaluate run i (CPU) while run i+1 trains (only when training is on a GPU)"""
     budget_minutes: float = 60.0
     """start no new run once elapsed + the mean run time so far would pass this (0 = no limit)"""
+    time_limit: float = 0.0
+    """seconds from the sweep's start: trainings then stop with a checkpoint (train.py --time-limit, exit 75) and
+    resume when the sweep runs again with the same arguments (a GPU call's limit; 0 = none)"""
     csv: str = ""
     """results CSV (default experiments/results/<study>.csv; --smoke: a temporary dir)"""
     runs_dir: str = "runs/experiments"
@@ -217,7 +220,7 @@ class Sweep:
     def seeds_of(self, setting: str) -> tuple[int, ...]:
         return self.a.seeds
 
-    def train_cmd(self, setting_args: list[str], seed: int, run: Path) -> list[str]:
+    def train_cmd(self, setting_args: list[str], seed: int, run: Path, time_limit: float = 0.0) -> list[str]:
         from core.train_config import TrainConfig  # lazy: imports torch (seconds), only when a run is built
         from models.families import family_of  # these import torch: only when a run is built
 
@@ -226,6 +229,8 @@ class Sweep:
             i = setting_args.index("--strategy")
             strategy, setting_args = setting_args[i + 1], setting_args[:i] + setting_args[i + 2 :]
         vocab = {"draft_vocab_size": a.draft_vocab_size} if "draft_vocab_size" in family_of(strategy).options else {}
+        # a run stopped with a checkpoint (--time-limit) continues from it; any other unfinished run starts again
+        again = (run / "ckpt" / "latest").exists() and not train_finished(run)
         cfg = TrainConfig(
             strategy=strategy,
             target=a.target,
@@ -242,12 +247,15 @@ class Sweep:
             device=a.device,
             out=str(run),
             progress=False,
-            overwrite=True,
-        )  # an unfinished run (no eval_end) starts again
+            time_limit=time_limit,
+            resume=again,
+            overwrite=not again,
+        )
         cmd = [sys.executable, "train.py", *to_flags(cfg), *shlex.split(a.train_args), *setting_args]
         return cmd  # later flags win (tyro), so a setting's --ttt-length / --data override the defaults
 
-    def eval_cmd(self, run: Path) -> list[str]:
+    def eval_cmd(self, run: Path, num_prompts: int = 0, batch: int = 0, name: str = "eval") -> list[str]:
+        """evaluate.py on a run (num_prompts / batch: 0 = the study's); its result line goes to run/<name>.jsonl."""
         a = self.a
         return [
             sys.executable,
@@ -256,7 +264,7 @@ class Sweep:
             "--target",
             a.target,
             "--num-prompts",
-            str(a.num_prompts),
+            str(num_prompts or a.num_prompts),
             "--max-new-tokens",
             str(a.max_new_tokens),
             "-k",
@@ -266,10 +274,16 @@ class Sweep:
             "--device",
             a.eval_device,
             "--batch",
-            str(a.eval_batch),
+            str(batch or a.eval_batch),
             "--resume-file",
-            str(run / "eval_partial.json"),
-        ]  # a cut-off evaluation keeps its finished benchmarks
+            str(run / f"{name}_partial.json"),  # a cut-off evaluation keeps its finished benchmarks
+            "--out",
+            str(run / f"{name}.jsonl"),
+        ]
+
+    def eval_results(self, run: Path) -> dict:
+        """{benchmark: {proposer: summary}} of a run's finished evaluation."""
+        return _last_json(run / "eval.jsonl")["results"]
 
     def run(self) -> int:
         """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""
@@ -302,10 +316,14 @@ class Sweep:
                     flush=True,
                 )
                 todo = []
+            left = a.time_limit - elapsed if a.time_limit else 0.0
+            if todo and a.time_limit and left < 60:
+                print(f"[{self.study}] time limit: not starting {len(todo)} runs (the next call does)", flush=True)
+                todo = []
             while todo and len(training) < a.parallel and (overlap or not evaluating):
                 s, args, seed = todo.pop(0)
                 run = Path(a.runs_dir) / self.study / f"{s}-s{seed}"
-                cmd = self.train_cmd(args, seed, run)
+                cmd = self.train_cmd(args, seed, run, time_limit=round(left))
                 job = {"setting": s, "seed": seed, "run": run, "cmd": cmd, "t0": time.time(), "proc": None}
                 if not train_finished(run):
                     run.mkdir(parents=True, exist_ok=True)
@@ -317,6 +335,13 @@ class Sweep:
                 training.remove(job)
                 if job["proc"] is not None:
                     job["log"].close()
+                    if job["proc"].returncode == 75:  # --time-limit: a checkpoint; the next call resumes it
+                        print(
+                            f"[{self.study}] train {job['setting']} seed {job['seed']}: stopped by the time limit, "
+                            "resumes when the sweep runs again",
+                            flush=True,
+                        )
+                        continue
                     if job["proc"].returncode != 0:
                         print(
                             f"[{self.study}] train {job['setting']} seed {job['seed']} "
@@ -371,7 +396,7 @@ class Sweep:
                 flush=True,
             )
             return 1
-        res = _last_json(run / "eval.log")
+        results = self.eval_results(run)
         meta = json.loads((run / "run.json").read_text())
         mem = meta.get("peak_memory", {})
         kind = "cuda_max_allocated" if "cuda_max_allocated_bytes" in mem else "max_rss"
@@ -383,7 +408,7 @@ class Sweep:
             "study": self.study,
             "setting": setting,
             "seed": seed,
-            **self.metrics(res["results"]),
+            **self.metrics(results),
             "acc_0_heldout": round(meta["results"]["eval_end"].get("acc_0", float("nan")), 4),
             "train_seconds": round(meta["results"]["train_seconds"], 1),
             "parallel": json.loads((run / "sweep.json").read_text())["parallel"]

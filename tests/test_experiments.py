@@ -84,8 +84,8 @@ def families(tmp_path_factory, tiny_run_inputs):
 
 
 def test_families_one_row_per_run(families):
-    """One row per run; per K, τ >= 1 on every benchmark, a measured draft cost c > 0, speed-up = τ / (1 + c)
-    per benchmark, and per-position acceptance rates that fall with the position and add up to τ - 1."""
+    """One row per run; per K, τ >= 1 on every benchmark, a measured draft cost c > 0 (its batch-1 pass), speed-up
+    = τ / (1 + c) per benchmark, and per-position acceptance rates that fall with the position and add up to τ - 1."""
     rows = list(csv.DictReader(open(families)))
     assert sorted(r["setting"] for r in rows) == ["dflash", "eagle3"]
     for r in rows:
@@ -106,6 +106,8 @@ def test_families_one_row_per_run(families):
                 sum(float(r[f"tau_{b}_k{k}"]) for b in ("mtbench", "humaneval", "gsm8k")) / 3, abs=1e-3
             )
         assert "-k 3 7" in r["eval_cmd"] and ("--draft-vocab-size" in r["train_cmd"]) == (r["setting"] == "eagle3")
+        # τ from the batched pass, c from a batch-1 pass of --cost-prompts (batched steps are not timed)
+        assert "--batch 64" in r["eval_cmd"] and "--batch 1 " in r["eval_cmd"] and "eval_cost.jsonl" in r["eval_cmd"]
 
 
 @pytest.mark.parametrize(
@@ -316,3 +318,21 @@ def test_train_flags_come_from_train_config():
     assert (got.target, got.out, got.batch_size, got.max_len, got.ttt_length, got.steps) == ("/t", "/o", 8, 64, 3, 4)
     assert got.pad_to_max_len and not got.compile and not got.progress and got.overwrite and got.holdout == 0
     assert got.backend == "compiled" and got.attention == "eager" and got.num_records == 200
+
+
+def test_sweep_resumes_a_run_stopped_by_its_time_limit(tmp_path):
+    """--time-limit reaches train.py; a run stopped with a checkpoint (ckpt/latest, no eval_end) resumes from it
+    in the next call, a finished one or one without a checkpoint starts over (--overwrite)."""
+    from experiments.families import SETTINGS, FamiliesArgs, FamiliesSweep
+
+    sweep = FamiliesSweep("families", SETTINGS, FamiliesArgs(target="smollm2", csv=str(tmp_path / "f.csv")))
+    run = tmp_path / "eagle3-s0"
+    fresh = sweep.train_cmd([], 0, run, time_limit=300)
+    assert "--overwrite" in fresh and "--resume" not in fresh and fresh[fresh.index("--time-limit") + 1] == "300"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "latest").write_text("step_400")
+    (run / "run.json").write_text(json.dumps({"status": "stopped", "results": {"stopped_by": "time_limit"}}))
+    again = sweep.train_cmd([], 0, run)
+    assert "--resume" in again and "--overwrite" not in again and "--time-limit" not in again
+    (run / "run.json").write_text(json.dumps({"status": "finished", "results": {"eval_end": {"acc_0": 0.5}}}))
+    assert "--overwrite" in sweep.train_cmd([], 0, run)
