@@ -96,7 +96,7 @@ class FamiliesArgs(SweepArgs):
     """conversations per benchmark for τ (MT-Bench: 80 with 2 turns each, HumanEval 164, GSM8K the first 250)"""
     eval_batch: int = 64
     """conversations decoded at once for τ (evaluate.py --batch: every family here but EAGLE-3 trees batches)"""
-    cost_prompts: int = 4
+    cost_prompts: int = 2
     """conversations per benchmark decoded again one at a time, whose timed steps give the draft cost c (batched
     steps are not timed); 0 = none: the τ pass must then run at --eval-batch 1 and is timed itself"""
 

@@ -151,7 +151,7 @@ case $PHASE in
   families)  # issue 33: experiments/families.py on the shipped draft's mix (after `SHIPPED_MIX=1 GEN_S=220 ... gen` in
     # the same call), FAMILIES="eagle3 dflash ..." (default: every setting), PARALLEL trainings at once; runs stopped by
     # the call's limit resume in the next call (the same command), finished ones are evaluated (whole sets at batch
-    # 64, 4 conversations a set at batch 1 for the draft cost) and skipped after
+    # 64, 2 conversations a set at batch 1 for the draft cost) and skipped after
     DEADLINE=$LIMIT
     mix_data
     timeout -k 10 $(($(left) - 15)) python3 experiments/families.py --target $T --data $W/mix_data --num-records 0 \
