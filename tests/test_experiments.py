@@ -323,7 +323,7 @@ def test_train_flags_come_from_train_config():
 def test_sweep_resumes_a_run_stopped_by_its_time_limit(tmp_path):
     """--time-limit reaches train.py; a run stopped with a checkpoint (ckpt/latest, no eval_end) resumes from it
     in the next call, a finished one or one without a checkpoint starts over (--overwrite)."""
-    from experiments.families import SETTINGS, FamiliesArgs, FamiliesSweep
+    from experiments.families import SETTINGS, FamiliesArgs, FamiliesSweep  # only this test builds its commands
 
     sweep = FamiliesSweep("families", SETTINGS, FamiliesArgs(target="smollm2", csv=str(tmp_path / "f.csv")))
     run = tmp_path / "eagle3-s0"
