@@ -87,7 +87,7 @@ def run_dataset(
 def run_dataset_batched(
     target: TargetRunner, proposer, tokenizer, convs: list[list[str]], max_new: int, eos, batch: int, check_greedy=False
 ):
-    """run_dataset for a proposer that `batches` (EAGLE-3 chains; DFlash, DSpark and Domino blocks), `batch`
+    """run_dataset for a proposer that `batches` (EAGLE-3 chains, P-EAGLE, DFlash / DSpark / Domino blocks), `batch`
     conversations decoded at once (core/batched_chain.py); turn t of every conversation in a group runs in one batch."""
     st, t0, by_conv = SpecStats(), time.time(), [[] for _ in convs]
     for g in range(0, len(convs), batch):
@@ -203,9 +203,9 @@ class EvalArgs:
     threads: int = 0
     """torch threads (0 = torch's default)"""
     batch: int = 1
-    """EAGLE-3 chains and DFlash / DSpark / Domino blocks: decode this many conversations at once
+    """EAGLE-3 chains, P-EAGLE and DFlash / DSpark / Domino blocks: decode this many conversations at once
     (core/batched_chain.py; same tokens and counters per conversation up to float rounding of the batched matmuls);
-    trees, P-EAGLE, a DSpark confidence cut and n-gram lookup run one at a time"""
+    EAGLE-3 trees, a DSpark confidence cut and n-gram lookup run one at a time"""
     vllm: bool = False
     """replay every chain run's prompts in vLLM (draft exported fp32, greedy, same K) and compare
     its acceptance counters with ours (needs the vLLM venv; core/vllm_spec.py creates it)"""

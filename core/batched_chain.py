@@ -1,7 +1,8 @@
 """Speculative decoding for a batch of prompts at once: the same per-prompt steps as core/speculative.py
 (a proposer verified as a chain + speculative_generate), run in lockstep. The target side lives here; the
-draft side is the proposer's `rows()` (models/eagle3.py ChainRows: EAGLE-3 chains; models/dflash.py BlockRows:
-DFlash, DSpark and Domino blocks), which keeps each row's draft state over shared slots the same way.
+draft side is the proposer's `rows()` (models/eagle3.py ChainRows: EAGLE-3 chains; models/peagle.py ParallelRows;
+models/dflash.py BlockRows: DFlash, DSpark and Domino blocks), which keeps each row's draft state over shared slots
+the same way.
 
 Why: batch-1 decoding is launch-bound on a GPU (the H200 spent 39 ms per verification step of
 SmolLM2-135M, almost all of it kernel launches and Python) and weight-bandwidth-bound on a CPU (each

@@ -42,7 +42,7 @@ class Proposer:
     name = "none"
     needs_aux = False
     # True: rows() gives the draft side for many prompts at once, which core/batched_chain.py runs in lockstep
-    # (evaluate.py --batch; EAGLE-3 chains, DFlash / DSpark / Domino blocks); else one prompt at a time
+    # (evaluate.py --batch; EAGLE-3 chains, P-EAGLE, DFlash / DSpark / Domino blocks); else one prompt at a time
     batches = False
 
     def rows(self):
