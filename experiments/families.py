@@ -45,7 +45,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments.sweep import BENCHMARKS, COLUMNS, RESULTS, Sweep, SweepArgs, _last_json, main  # noqa: E402
+from experiments.sweep import BENCHMARKS, COLUMNS, RESULTS, Sweep, SweepArgs, main  # noqa: E402
 
 SETTINGS = [
     ("eagle3", []),
@@ -131,13 +131,13 @@ class FamiliesSweep(Sweep):
         cost = super().eval_cmd(run, num_prompts=self.a.cost_prompts, batch=1, name="eval_cost")
         return ["bash", "-c", f"{shlex.join(tau)} && {shlex.join(cost)}"]
 
-    def eval_results(self, run: Path) -> dict:
+    def eval_results(self, run: Path, name: str = "eval") -> dict:
         """The τ pass's summaries with the cost pass's timings: its draft and target seconds per verification step
         give c, and the expected speed-up is the τ pass's τ / (1 + c)."""
-        results = super().eval_results(run)
+        results = super().eval_results(run, name)
         if not self.a.cost_prompts:
             return results
-        cost = _last_json(run / "eval_cost.jsonl")["results"]
+        cost = super().eval_results(run, "eval_cost")
         for b, by_proposer in results.items():
             for name, s in by_proposer.items():
                 c = cost[b][name]

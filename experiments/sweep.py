@@ -281,9 +281,9 @@ class Sweep:
             str(run / f"{name}.jsonl"),
         ]
 
-    def eval_results(self, run: Path) -> dict:
-        """{benchmark: {proposer: summary}} of a run's finished evaluation."""
-        return _last_json(run / "eval.jsonl")["results"]
+    def eval_results(self, run: Path, name: str = "eval") -> dict:
+        """{benchmark: {proposer: summary}} of a run's finished evaluation (eval_cmd's `name`)."""
+        return _last_json(run / f"{name}.jsonl")["results"]
 
     def run(self) -> int:
         """An event loop over the runs (the scheduling in the module docstring). Returns 1 if a run failed."""

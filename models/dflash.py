@@ -361,23 +361,23 @@ class DFlashDraft(nn.Module):
     def block_hidden(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens):
         """One block at anchor_pos (the newest committed token), attending ctx_kv (positions <
         anchor_pos) -> hidden states of its drafted slots [K, H]."""
-        bs, off = self.config.block_size, self.prediction_offset
         dev = self.fc.weight.device
-        ids = torch.tensor([[anchor_id] + [self.config.mask_token_id] * (bs - 1)], device=dev)
-        pos = torch.arange(anchor_pos, anchor_pos + bs, device=dev)[None]
-        # no mask: every cached context key is < anchor_pos, and the block sees itself both ways
-        attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-        return self.blocks(embed_tokens(ids), pos, ctx_kv, attend)[0, off : off + self.K]
+        at = lambda x: torch.tensor([x], device=dev)  # noqa: E731
+        return self.block_hidden_rows(at(anchor_id), at(anchor_pos), ctx_kv, None, embed_tokens)[0]
 
     def block_hidden_rows(self, anchors_A, anchor_pos_A, ctx_kv, ctx_valid_AS, embed_tokens):
         """block_hidden for A rows at once -> [A, K, H]: row a's block sits at anchor_pos_A[a] and attends the
-        context slots ctx_valid_AS [A, S] marks as its own (ctx_kv: per layer (k, v) [A, Hkv, S, D]) and itself."""
+        context slots ctx_valid_AS [A, S] marks as its own (ctx_kv: per layer (k, v) [A, Hkv, S, D]) and itself;
+        ctx_valid_AS None: every context slot (one prompt's cache, all of it < anchor_pos)."""
         bs, off = self.config.block_size, self.prediction_offset
         A, dev = anchors_A.shape[0], anchors_A.device
         ids = torch.full((A, bs), self.config.mask_token_id, dtype=torch.long, device=dev)
         ids[:, 0] = anchors_A
         pos = anchor_pos_A[:, None] + torch.arange(bs, device=dev)[None]
-        mask = slot_mask(ctx_valid_AS, torch.ones(A, bs, dtype=torch.bool, device=dev), causal=False)
+        # the block sees itself both ways
+        mask = None
+        if ctx_valid_AS is not None:
+            mask = slot_mask(ctx_valid_AS, torch.ones(A, bs, dtype=torch.bool, device=dev), causal=False)
         attend = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
         return self.blocks(embed_tokens(ids), pos, ctx_kv, attend)[:, off : off + self.K]
 
@@ -403,6 +403,7 @@ class BlockProposer(Proposer):
     trained draft)."""
 
     needs_aux = True
+    batches = True  # core/batched_chain.py decodes many prompts at once through rows()
 
     def __init__(self, draft, embed_tokens, head_weight, family: str = "dflash", depth: int | None = None):
         self.draft, self.embed, self.head = draft.eval(), embed_tokens, head_weight
@@ -432,8 +433,6 @@ class BlockProposer(Proposer):
     def propose(self, ids) -> Tree:
         toks = self.draft.propose(ids[-1], len(ids) - 1, self.kv, self.embed, self.head)[: self.depth]
         return Tree(list(toks), list(range(-1, len(toks) - 1)))
-
-    batches = True  # core/batched_chain.py decodes many prompts at once through rows()
 
     def rows(self) -> "BlockRows":
         return BlockRows(self.draft, self.embed, self.head)
