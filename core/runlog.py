@@ -28,6 +28,17 @@ from core.distributed import all_sum
 STARTED = time.monotonic()
 
 
+def process_seconds() -> float:
+    """Seconds since this process started (Linux: its start time in /proc, so Python's and torch's imports count;
+    elsewhere since this module's import): the clock of train.py's start-up line."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - STARTED
+
+
 def os_why(e: OSError) -> str:
     """A failed write's OSError in words a user acts on."""
     return {

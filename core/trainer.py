@@ -26,6 +26,7 @@ from core.runlog import (
     clear_previous_run,
     compiled_graphs,
     peak_flops,
+    process_seconds,
     run_metadata,
 )
 from core.train_config import ConfigError, TrainConfig, validate
@@ -103,7 +104,10 @@ class Trainer:
         self.out = Path(cfg.out)
         self.log = RunLog(self.out, enabled=self.rank == 0)
         self.schedule = 0.0  # fraction of training done (loss schedules, e.g. Domino's curriculum)
+        # start-up's clock (seconds since the process started): where a cold start goes, in run.json and one line
+        self.startup = {}
         target_dir, stored = self._load_target(kind)
+        self.tick("target")
         cfg = self.cfg
         self.tokenizer = load_tokenizer(target_dir)
         self.pack = packing(cfg, self.family, self.target, kind, self.print)
@@ -113,11 +117,17 @@ class Trainer:
         data = load_data(cfg, self.tokenizer, self.pack, self.store, stored, self.print, self.bar)
         self.train_set, self.eval_set, self.batches = data.train_set, data.eval_set, data.batches
         self.row_len, self.data_stats, self.total_steps = data.row_len, data.stats, cfg.steps or data.batches.per_epoch
+        self.tick("data")
         row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
         self.batcher = Batcher(
             cfg, self.family, self.device, self.pack, self.row_len, row_multiple, self.dp_rank, self.dp_size
         )
         self._build_draft()
+        self.tick("draft")
+
+    def tick(self, what: str):
+        """Start-up's clock: `what` (target, data, draft, eval_start, first_step) done this many s after start."""
+        self.startup[what] = round(process_seconds(), 1)
 
     def _load_target(self, kind: str) -> tuple[Path, list | None]:
         """The target (or, offline, the feature store and the target's heads) as --backend says, --backend auto
@@ -390,6 +400,7 @@ class Trainer:
             results["eval_start"] = self.evaluate()
             self.print(f"[eval @0] {fmt(results['eval_start'])}")
             self.log.write({"step": 0, "split": "eval", **results["eval_start"]})
+            self.tick("eval_start")
         bar = None
         if cfg.progress and self.rank == 0:
             bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
@@ -472,6 +483,14 @@ class Trainer:
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
             self.after_step(step)
+            if step == start:  # one wait for the GPU: the first step's time is mostly compiling (run.json's startup)
+                self.sync_device()
+                self.tick("first_step")
+                self.print(
+                    f"[time] first step done {self.startup['first_step']:.0f} s after start ("
+                    + ", ".join(f"{k} {v:.0f} s" for k, v in self.startup.items() if k != "first_step")
+                    + ")"
+                )
             self.progress(f"step {step + 1}")
             speed.step(ntok, b["row_tokens"], self.sync_device)
             if (step + 1) % cfg.log_every == 0 or step + 1 == self.total_steps:
@@ -501,7 +520,13 @@ class Trainer:
                     "continue with --resume"
                 )
                 self.log.finish(
-                    {"stopped_at": n, "stopped_by": why, "packing": self.packing_summary(speed)}, status="stopped"
+                    {
+                        "stopped_at": n,
+                        "stopped_by": why,
+                        "packing": self.packing_summary(speed),
+                        "startup_seconds": self.startup,
+                    },
+                    status="stopped",
                 )
                 return {"stopped_at": n, "stopped_by": why}
         if bar:
@@ -511,6 +536,7 @@ class Trainer:
             results["eval_end"] = self.evaluate()
         results["train_seconds"] = time.time() - t0
         results["packing"] = self.packing_summary(speed)
+        results["startup_seconds"] = self.startup
         if self.eval_set:
             self.print(f"[eval @{self.total_steps}] {fmt(results['eval_end'])}")
             self.log.write({"step": self.total_steps, "split": "eval", **results["eval_end"]})
