@@ -75,6 +75,7 @@ case $PHASE in
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
          --seed ${SEED:-13} --time-limit $((PS - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1
        [[ -f $W/pn_$d.jsonl ]] && cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
+       # SLOTS: each process's slots (1,024 peaked at 86.7 GiB for the three on the H200: 768 for an 80 GiB H100)
        # REPLIES: answer passes in order, "greedy" (a_$d.jsonl, the decoding the draft serves under) or
        # TEMPERATURE:SEED (sampled at top-p 0.95, a_${d}_tT_sS.jsonl: more replies per prompt); each resumable
        for r in ${REPLIES:-greedy}; do
@@ -82,7 +83,7 @@ case $PHASE in
          [[ $r == greedy ]] || { o=$W/mix/a_${d}_t${r%:*}_s${r#*:}.jsonl; s=(--temperature ${r%:*} --top-p 0.95 --seed ${r#*:}); }
          (($(left) > 90)) || break
          timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T "${s[@]}" \
-           --data $W/p_$d.jsonl --out $o --engine slots --slots 1024 --max-new-tokens 512 \
+           --data $W/p_$d.jsonl --out $o --engine slots --slots ${SLOTS:-1024} --max-new-tokens 512 \
            --max-prompt-len 512 --time-limit $(($(left) - 60)) >> $OUT/answers_$d.log 2>&1
        done) &
       jobs+=($!)
