@@ -29,7 +29,7 @@ run() {  # name, train.py flags...
     --target ${TARGET:-$T} --out /tmp/defaults_$name --overwrite --no-progress "$@" > $OUT/${name}_default.log 2>&1
   echo "$name rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/${name}_default.log
   cp /tmp/defaults_$name/run.json $OUT/${name}_run.json; cp /tmp/defaults_$name/metrics.jsonl $OUT/${name}_metrics.jsonl
-  grep -a "batching\|\[data\] --batch\|eval @\|step 80\|compile\|error" $OUT/${name}_default.log | cut -c1-300 | tail -12
+  grep -a "batching\|\[time\]\|\[data\] --batch\|eval @\|step 80\|compile\|error" $OUT/${name}_default.log | cut -c1-300 | tail -12
 }
 # the main job plain (under stall_probe it ended in a segfault at 90 s on 2026-12-04: its watchdog thread is the
 # suspect, experiments/stall_probe.py); every chat under the probe, for torch.compile's times
