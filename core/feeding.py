@@ -14,7 +14,7 @@ from core.distributed import all_min
 from core.train_config import ConfigError, TrainConfig, auto_batch_tokens, gpu_batch_tokens, packing_blocker
 from data.chat import DataError
 from data.datasets import build_examples, collate, load_records, split_holdout, tokenize_workers
-from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches
+from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches, plan_rows
 from models.target import config_int
 
 
@@ -158,12 +158,20 @@ class Batcher:
     dp_rank: int
     dp_size: int
 
-    def host_batch(self, examples, key: int = 0, row_sizes: list[int] | None = None, first: int | None = None) -> dict:
+    def host_batch(
+        self,
+        examples,
+        key: int = 0,
+        row_sizes: list[int] | None = None,
+        first: int | None = None,
+        rows: int | None = None,
+    ) -> dict:
         """Everything about a batch that the host knows without the GPU: collated tensors, the
         family's host-side parts (EAGLE-3 on GPU: the trained rows of each TTT step; block
         drafters: anchors), token count, whether anything is padded. Runs on the prefetch thread
         during training. key seeds the family's random draws (the step; eval batches: < 0). row_sizes,
-        first: a --batch-tokens step's rows (examples per row, in order) and its examples' global offset."""
+        first: a --batch-tokens step's rows (examples per row, in order) and its examples' global offset;
+        rows: padding rows added up to this count (eval_batches' evaluation in the training step's shape)."""
         if self.pack:  # + doc_ids, position_ids, where
             b = pack(examples, self.row_len, row_sizes=row_sizes)
         else:
@@ -174,6 +182,8 @@ class Batcher:
             b = pad_batch_rows(
                 b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
             )
+        if rows:
+            b = pad_batch_rows(b, rows)
         # one shape for every batch: pad to max_len, a multiple of the flex block (--batch-tokens rows are full)
         if self.cfg.compile or self.cfg.pad_to_max_len or row_sizes is not None:
             b = pad_rows(b, max(b["input_ids"].shape[1], -(-self.row_len // 128) * 128))
@@ -187,6 +197,32 @@ class Batcher:
             padded=not bool(b["attention_mask"].all()),
         )
         return b
+
+    def eval_batches(self, eval_set: list, batches) -> list[tuple[list, list[int]]]:
+        """The held-out examples in batches: (examples, row_sizes) for host_batch, every rank's (rank r takes
+        batches r, r + dp_size, ...). A --batch-tokens run packs them into rows of the training step (first-fit,
+        in order) and each rank's batch holds as many rows as its training step: with padding rows up to that
+        count on a GPU (evaluate_rows), evaluation and training are one shape for the compiled target and flex.
+        Batches of eval_batch_size conversations each pack their own row count: a compile per count, which
+        made the main job's evaluation before its first step take half of its cold start on an H200
+        (experiments/results/defaults_h200/README.md). Otherwise batches of eval_batch_size conversations."""
+        if not isinstance(batches, TokenBatches):
+            bs = self.cfg.eval_batch_size
+            return [(eval_set[i : i + bs], None) for i in range(0, len(eval_set), bs)]
+        k = batches.rows // self.dp_size
+        planned = plan_rows([len(e.input_ids) for e in eval_set], list(range(len(eval_set))), self.row_len)
+        out = []
+        for i in range(0, len(planned), k):
+            chunk = planned[i : i + k]
+            out.append(([eval_set[j] for row in chunk for j in row], [len(row) for row in chunk]))
+        return out
+
+    def evaluate_rows(self, batches) -> int | None:
+        """The row count eval_batches' batches are padded to: the training step's on a GPU (one compiled shape;
+        row_multiple != 1), none on CPU, where padding rows are work and nothing compiles per shape."""
+        if isinstance(batches, TokenBatches) and self.row_multiple != 1:
+            return batches.rows // self.dp_size
+        return None
 
     def step_batch(self, batches, step: int, examples: list) -> dict:
         """Optimizer step `step`'s batch of this rank's `examples`: a --batch-tokens step's rows as planned (a

@@ -97,6 +97,7 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     eval_at_start: bool = True
     """evaluate the untrained draft before the first step (its figures are the baseline of the run's curve)"""
     eval_batch_size: int = 8
+    """held-out conversations per evaluation batch (with --batch-tokens: the training step's rows instead)"""
     attention: str = "auto"
     """eagle3's TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU;
     FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory,

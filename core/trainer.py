@@ -240,13 +240,22 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> the family's loss ----
-    def forward(self, examples, scale: float = 1.0, global_counts: bool = True, b: dict | None = None, key: int = 0):
+    def forward(
+        self,
+        examples,
+        scale: float = 1.0,
+        global_counts: bool = True,
+        b: dict | None = None,
+        key: int = 0,
+        rows: tuple = (None, None),
+    ):
         """Target features -> the family's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
-        already built and on the device (the prefetcher's)."""
+        already built and on the device (the prefetcher's); else built here, rows: its (row_sizes, row
+        count) for host_batch (Batcher.eval_batches')."""
         if b is None:
-            host = self.batcher.host_batch(examples, key)
+            host = self.batcher.host_batch(examples, key, row_sizes=rows[0], rows=rows[1])
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in host.items()}
         if self.store is not None:
             feats = batch_features(
@@ -281,18 +290,19 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out acc_k / loss_k over all ranks (each takes every world-th batch)."""
-        K, bs = self.cfg.ttt_length, self.cfg.eval_batch_size
+        K = self.cfg.ttt_length
         tot_loss, tot_correct, tot_counts = torch.zeros(K), torch.zeros(K), torch.zeros(K, 2)
+        batches = self.batcher.eval_batches(self.eval_set, self.batches)
+        rows = self.batcher.evaluate_rows(self.batches)
         # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
-        # past the end reruns its first batch with weight 0
-        n_iter = math.ceil(len(self.eval_set) / (bs * self.dp_size))
+        # past the end reruns the first batch with weight 0
+        n_iter = math.ceil(len(batches) / self.dp_size)
         for j in self.bar(range(n_iter), "eval"):
             self.progress(f"evaluation, {j} of {n_iter} batches done" if j else "evaluation started")
-            i = (j * self.dp_size + self.dp_rank) * bs
-            w = float(i < len(self.eval_set))
-            _, stats, counts, _ = self.forward(
-                self.eval_set[i : i + bs] if w else self.eval_set[:bs], global_counts=False, key=-1 - j
-            )
+            i = j * self.dp_size + self.dp_rank
+            w = float(i < len(batches))
+            examples, row_sizes = batches[i if w else 0]
+            _, stats, counts, _ = self.forward(examples, global_counts=False, key=-1 - j, rows=(row_sizes, rows))
             tot_loss += w * stats["loss_sum"].float().cpu()
             tot_correct += w * stats["correct"].float().cpu()
             tot_counts += w * counts.float().cpu()

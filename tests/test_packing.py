@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core import runlog
-from core.feeding import packing
+from core.feeding import Batcher, packing
 from core.train_config import ConfigError, TrainConfig, packing_blocker
 from data.chat import DataError, Example
 from data.datasets import collate
@@ -408,6 +408,34 @@ def test_train_packed_equals_unpacked(tmp_path, tiny_run_inputs, strategy, backe
     # throughput: after the warm-up steps only, padded >= real
     assert "real_tokens_per_s" not in p[0] and all(r["row_tokens_per_s"] >= r["real_tokens_per_s"] > 0 for r in p[2:])
     assert "mfu" not in p[-1]  # no known peak on a CPU: no MFU rather than a made-up one
+
+
+def test_eval_in_the_training_steps_rows(tmp_path, tiny_run_inputs):
+    """A --batch-tokens run evaluates in its training step's rows (Batcher.eval_batches): every held-out
+    conversation once, each batch padded to the step's row count where row counts are rounded (a GPU: one
+    compiled shape for evaluation and training), and the held-out figures equal those of batches of
+    conversations (packing and padding rows change nothing)."""
+    cfg = TrainConfig(max_len=256, batch_tokens=768, ttt_length=3)
+    ex = random_examples(23, 97, min_len=20, max_len=200, seed=3)
+    tb = TokenBatches([len(e.input_ids) for e in ex], rows=3, row_len=256, seed=0)
+    for row_multiple, rows in ((0, 3), (1, None)):  # a GPU's rounding, a CPU's rows as they come
+        bt = Batcher(cfg, EAGLE3, CPU, True, 256, row_multiple, 0, 1)
+        assert bt.evaluate_rows(tb) == rows
+        batches = bt.eval_batches(ex, tb)
+        assert sorted(id(e) for b, _ in batches for e in b) == sorted(map(id, ex)) and len(batches) > 2
+        shapes = {tuple(bt.host_batch(b, -1, row_sizes=s, rows=rows)["input_ids"].shape) for b, s in batches}
+        assert shapes == {(3, 256)} if rows else len(shapes) == 2  # the last batch has fewer rows on a CPU
+    target, data = tiny_run_inputs
+    common = ["--steps", "2", *PACKS, "--holdout", "12", "--backend", "hf", "--pack", "on"]
+    run_train(tmp_path / "tok", target, data, 1, [*common, "--batch-tokens", "768", "--pack-row-multiple", "3"])
+    run_train(tmp_path / "conv", target, data, 1, [*common, "--batch-size", "4"])
+    first = [
+        next(r for r in map(json.loads, open(tmp_path / n / "metrics.jsonl")) if r["split"] == "eval")
+        for n in ("tok", "conv")
+    ]
+    assert first[0]["step"] == first[1]["step"] == 0
+    for k in ("loss_0", "loss_2", "acc_0", "acc_2"):
+        assert first[0][k] == pytest.approx(first[1][k], rel=1e-5, abs=1e-7), k
 
 
 def test_pad_batch_rows():
