@@ -11,7 +11,7 @@
 #    the defaults at --max-len 4096 and a draft vocabulary of 32,000, 40 steps, as on an 80 GiB GPU
 #    (--gpu-memory ${GPU_GIB:-80}: the allocator capped there): the budget the defaults choose and the peak
 #    (issue 32's goal: the 8B default run within 80 GiB).
-# ONLY="main" (or "main_noeval", "full", "8b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# ONLY="main" (or "main_noeval", "full", "harness8b", "8b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -39,6 +39,16 @@ declare -A PROBE=([main]=train.py [main_noeval]=train.py [full]="experiments/sta
 # shapes cost in compiling: its log's [time] line beside main's)
 [[ " ${ONLY:-main full} " == *" main_noeval "* ]] && run main_noeval --strategy eagle3 --no-eval-at-start
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
+# ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
+# batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two
+if [[ " ${ONLY:-main full} " == *" harness8b "* ]]; then
+  t0=$SECONDS
+  timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target llama-3.1-8b --backends compiled \
+    --batch-size 8 --no-search --no-attn-bench --out $OUT/harness8b.jsonl \
+    --figure $OUT/harness8b.png > $OUT/harness8b.log 2>&1
+  echo "harness8b rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/harness8b.log
+  cut -c1-400 $OUT/harness8b.jsonl 2>/dev/null | tail -3
+fi
 if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
   R8B=/tmp/llama8b
   [[ -f $R8B/config.json ]] || python3 tools/random_target.py llama-3.1-8b $R8B --tokenizer $T > $OUT/random_target.log 2>&1
