@@ -287,25 +287,31 @@ class Trainer:
             out[f"acc_{k}"] = (correct[k] / counts[k, 0].clamp(min=1)).item()
         return out
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out acc_k / loss_k over all ranks (each takes every world-th batch)."""
         K = self.cfg.ttt_length
         tot_loss, tot_correct, tot_counts = torch.zeros(K), torch.zeros(K), torch.zeros(K, 2)
         batches = self.batcher.eval_batches(self.eval_set, self.batches)
         rows = self.batcher.evaluate_rows(self.batches)
-        # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
-        # past the end reruns the first batch with weight 0
-        n_iter = math.ceil(len(batches) / self.dp_size)
-        for j in self.bar(range(n_iter), "eval"):
-            self.progress(f"evaluation, {j} of {n_iter} batches done" if j else "evaluation started")
-            i = j * self.dp_size + self.dp_rank
-            w = float(i < len(batches))
-            examples, row_sizes = batches[i if w else 0]
-            _, stats, counts, _ = self.forward(examples, global_counts=False, key=-1 - j, rows=(row_sizes, rows))
-            tot_loss += w * stats["loss_sum"].float().cpu()
-            tot_correct += w * stats["correct"].float().cpu()
-            tot_counts += w * counts.float().cpu()
+        # With autograd on where the batches have the training step's shape (one rank): flex and the compiled
+        # draft step compile per grad mode, so a no_grad evaluation compiled graphs of its own, 7 flex calls at
+        # TTT 7 (~16 s of the main job's 107 s from a cold start on an H100: experiments/results/defaults_h100/).
+        # Nothing runs backward; each batch's graph goes with its loss. Several ranks keep no_grad (FSDP2's
+        # forward under autograd with no backward after it is untried).
+        with torch.set_grad_enabled(rows is not None and self.world == 1):
+            # every rank runs the same number of forwards (FSDP all-gathers are collectives); a rank
+            # past the end reruns the first batch with weight 0
+            n_iter = math.ceil(len(batches) / self.dp_size)
+            for j in self.bar(range(n_iter), "eval"):
+                self.progress(f"evaluation, {j} of {n_iter} batches done" if j else "evaluation started")
+                i = j * self.dp_size + self.dp_rank
+                w = float(i < len(batches))
+                examples, row_sizes = batches[i if w else 0]
+                loss, stats, counts, _ = self.forward(examples, global_counts=False, key=-1 - j, rows=(row_sizes, rows))
+                del loss  # its graph (with autograd on) before the next batch's
+                tot_loss += w * stats["loss_sum"].detach().float().cpu()
+                tot_correct += w * stats["correct"].detach().float().cpu()
+                tot_counts += w * counts.detach().float().cpu()
         for x in (tot_loss, tot_correct, tot_counts):
             all_sum(x)
         out = {}

@@ -438,6 +438,48 @@ def test_eval_in_the_training_steps_rows(tmp_path, tiny_run_inputs):
         assert first[0][k] == pytest.approx(first[1][k], rel=1e-5, abs=1e-7), k
 
 
+def test_eval_with_autograd_in_the_training_steps_shape(tmp_path, tiny_run_inputs, monkeypatch):
+    """Where evaluation batches have the training step's shape (one rank), Trainer.evaluate runs with autograd
+    on, so flex and a compiled step reuse the training graphs instead of compiling no_grad ones: the same
+    figures as a no_grad evaluation, no gradients left on the draft, and its loss graphs let go."""
+    from core.trainer import Trainer  # heavy (the whole training stack): only this test builds one in-process
+
+    target, data = tiny_run_inputs
+    cfg = TrainConfig(
+        target=str(target),
+        data=str(data),
+        num_records=60,
+        holdout=12,
+        max_len=256,
+        batch_tokens=768,
+        pack="on",
+        pack_row_multiple=3,
+        ttt_length=3,
+        device="cpu",
+        out=str(tmp_path / "run"),
+        progress=False,
+    )
+    tr = Trainer(cfg)
+    forward, modes = tr.forward, []
+
+    def spy(*a, **kw):
+        modes.append(torch.is_grad_enabled())
+        out = forward(*a, **kw)
+        assert out[0].requires_grad == modes[-1]
+        return out
+
+    monkeypatch.setattr(tr, "forward", spy)
+    with_grad = tr.evaluate()
+    assert modes and all(modes) and all(p.grad is None for p in tr.draft.parameters())
+    monkeypatch.setattr(tr.batcher, "row_multiple", 1)  # rows as they come: no padding rows, no_grad
+    modes.clear()
+    no_grad = tr.evaluate()
+    assert modes and not any(modes)
+    assert with_grad.keys() == no_grad.keys()
+    for k, v in no_grad.items():
+        assert with_grad[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
 def test_pad_batch_rows():
     """Rows of padding: one padding document each, nothing trained, the real rows untouched; bucket_rows
     keeps the row counts to four per octave."""
