@@ -203,9 +203,9 @@ class Batcher:
         batches r, r + dp_size, ...). A --batch-tokens run packs them into rows of the training step (first-fit,
         in order) and each rank's batch holds as many rows as its training step: with padding rows up to that
         count on a GPU (evaluate_rows), evaluation and training are one shape for the compiled target and flex.
-        Batches of eval_batch_size conversations each pack their own row count: a compile per count, which
-        made the main job's evaluation before its first step take half of its cold start on an H200
-        (experiments/results/defaults_h200/README.md). Otherwise batches of eval_batch_size conversations."""
+        (Batches of eval_batch_size conversations each packed their own row count: on a GPU a compile of the
+        target and of flex per count, none of them the training step's.) Otherwise batches of eval_batch_size
+        conversations."""
         if not isinstance(batches, TokenBatches):
             bs = self.cfg.eval_batch_size
             return [(eval_set[i : i + bs], None) for i in range(0, len(eval_set), bs)]
