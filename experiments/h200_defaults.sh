@@ -40,11 +40,12 @@ declare -A PROBE=([main]=train.py [main_noeval]=train.py [full]="experiments/sta
 [[ " ${ONLY:-main full} " == *" main_noeval "* ]] && run main_noeval --strategy eagle3 --no-eval-at-start
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
 # ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
-# batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two
+# batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two.
+# HARNESS_BATCH=4 on an 80 GiB GPU (8 rows need ~84 GiB; 2026-12-05 on an H100: results/defaults_h100/)
 if [[ " ${ONLY:-main full} " == *" harness8b "* ]]; then
   t0=$SECONDS
   timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target llama-3.1-8b --backends compiled \
-    --batch-size 8 --no-search --no-attn-bench --out $OUT/harness8b.jsonl \
+    --batch-size ${HARNESS_BATCH:-8} --no-search --no-attn-bench --out $OUT/harness8b.jsonl \
     --figure $OUT/harness8b.png > $OUT/harness8b.log 2>&1
   echo "harness8b rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/harness8b.log
   cut -c1-400 $OUT/harness8b.jsonl 2>/dev/null | tail -3
