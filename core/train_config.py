@@ -100,8 +100,8 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     """held-out conversations per evaluation batch (with --batch-tokens: the training step's rows instead)"""
     attention: str = "auto"
     """eagle3's TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU;
-    FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers: more memory,
-    BENCHMARKS.md); auto = flex on GPU, lse on CPU. peagle, dflash, domino, dspark: eager (dense masks) |
+    FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers, one
+    shape for all steps so flex compiles once; more memory: BENCHMARKS.md); auto = flex on GPU, lse on CPU. peagle, dflash, domino, dspark: eager (dense masks) |
     flex (GPU); auto = flex on GPU, eager on CPU"""
     loss: str = "auto"
     """eagle3's head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton

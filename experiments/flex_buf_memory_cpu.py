@@ -8,6 +8,8 @@ the bytes alive at the peak of one TTT unroll, forward + backward, in step-sized
 Result on 2026-11-29 (torch 2.13.0 CPU, TTT 7): cat 72.0, buf 62.0: with the write chain's
 gradients included, the buffers save memory around flex, so the H200 excess (1.37 vs 0.83 GiB,
 BENCHMARKS.md) most likely comes from the real compiled flex with strided K/V views.
+Since 2026-12-05 every step's flex takes the whole buffers (one shape for the unroll: one compile), and
+the stand-in's gradients are buffer-sized: cat 72.0, buf 68.0.
 """
 
 import sys

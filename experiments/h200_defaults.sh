@@ -11,7 +11,7 @@
 #    the defaults at --max-len 4096 and a draft vocabulary of 32,000, 40 steps, as on an 80 GiB GPU
 #    (--gpu-memory ${GPU_GIB:-80}: the allocator capped there): the budget the defaults choose and the peak
 #    (issue 32's goal: the 8B default run within 80 GiB).
-# ONLY="main" (or "main_noeval", "full", "harness8b", "8b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "harness8b", "8b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -33,11 +33,14 @@ run() {  # name, train.py flags...
 }
 # the main job plain (under stall_probe it ended in a segfault at 90 s on 2026-12-04: its watchdog thread is the
 # suspect, experiments/stall_probe.py); every chat under the probe, for torch.compile's times
-declare -A PROBE=([main]=train.py [main_noeval]=train.py [full]="experiments/stall_probe.py --stacks $OUT/stacks_full.txt --every 30 --")
+declare -A PROBE=([main]=train.py [main_noeval]=train.py [main_flexbuf]=train.py [full]="experiments/stall_probe.py --stacks $OUT/stacks_full.txt --every 30 --")
 [[ " ${ONLY:-main full} " == *" main "* ]] && run main --strategy eagle3
 # ONLY=main_noeval: the same cold job without the evaluation before the first step (what that evaluation's
 # shapes cost in compiling: its log's [time] line beside main's)
 [[ " ${ONLY:-main full} " == *" main_noeval "* ]] && run main_noeval --strategy eagle3 --no-eval-at-start
+# ONLY=main_flexbuf: the same cold job with --attention flex_buf (one flex shape for the whole TTT unroll: one
+# compile forward and one backward instead of 7 + 7 at TTT 7; its log's [time] line beside main's)
+[[ " ${ONLY:-main full} " == *" main_flexbuf "* ]] && run main_flexbuf --strategy eagle3 --attention flex_buf
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
 # ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
 # batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two.

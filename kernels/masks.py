@@ -85,8 +85,9 @@ def document_mask(doc_ids: torch.Tensor):
     return same_document_causal
 
 
-def ttt_mask(step: int, seq_len: int, lengths: torch.Tensor | None = None, kv_stride: int | None = None):
-    """EAGLE-3 training-time-test mask for TTT step `step` (0-based).
+def ttt_mask(step, seq_len: int, lengths: torch.Tensor | None = None, kv_stride: int | None = None):
+    """EAGLE-3 training-time-test mask for TTT step `step` (0-based; an int, or a 0-dim tensor that compiled
+    flex takes as an input rather than a constant: kernels/ttt_attention.py's one-shape unroll).
 
     Queries: the T = seq_len positions of the current step, q_idx in [0, T).
     Keys: the steps' keys concatenated along the sequence, [step0 | step1 | ... | step_k],
@@ -135,8 +136,8 @@ def document_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     return start if doc_ids.dim() == 2 else start[0]
 
 
-def ttt_document_mask(step: int, seq_len: int, doc_ids: torch.Tensor, kv_stride: int | None = None):
-    """ttt_mask over packed rows: the TTT mask and the same document (doc_ids [T] or [B, T],
+def ttt_document_mask(step, seq_len: int, doc_ids: torch.Tensor, kv_stride: int | None = None):
+    """ttt_mask over packed rows (step: as there): the TTT mask and the same document (doc_ids [T] or [B, T],
     labels per query position, at least seq_len long, each document one contiguous run). Only the
     step-0 keys can cross a boundary (the later steps' keys sit at the query's own position), and
     with contiguous documents "key j in q's document" is "j >= the start of q's document": the mask

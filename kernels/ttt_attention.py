@@ -222,9 +222,19 @@ def _dense_to_kv_blocks(dense_BHqk: torch.Tensor):
 
 
 def ttt_block_mask(
-    Tp: int, k: int, lengths: torch.Tensor | None, device, block: int = FLEX_BLOCK, doc_ids: torch.Tensor | None = None
+    Tp: int,
+    k: int,
+    lengths: torch.Tensor | None,
+    device,
+    block: int = FLEX_BLOCK,
+    doc_ids: torch.Tensor | None = None,
+    kv_steps: int | None = None,
 ) -> BlockMask:
     """BlockMask for ttt_mask(k, Tp, lengths) with Q_LEN = Tp, KV_LEN = (k+1) Tp, Tp % block == 0.
+    kv_steps (>= k + 1): KV_LEN = kv_steps * Tp instead, the keys of steps k+1.. in no block and masked,
+    and the mask_mod holds k as a tensor: every step of an unroll then has one shape and one mask_mod code
+    with equal Python constants, which is what compiled flex guards on (a closure's tensors are inputs to
+    it): TTTFlexAttention compiles once for the unroll instead of once per step.
 
     Block (qb, kb) with step s = kb // nb, key block jb = kb % nb is full when s == 0 and
     jb < qb (every key precedes every query) and partial (mask_mod evaluated) on the
@@ -238,12 +248,15 @@ def ttt_block_mask(
     assert Tp % block == 0
     assert lengths is None or doc_ids is None, "packed rows mark padding by doc_ids, not lengths"
     nb = Tp // block
+    n = k + 1 if kv_steps is None else kv_steps
+    assert n > k
     qb = torch.arange(nb, device=device)[:, None]
-    kb = torch.arange((k + 1) * nb, device=device)[None, :]
+    kb = torch.arange(n * nb, device=device)[None, :]
     s, jb = kb // nb, kb % nb
     full = ((s == 0) & (jb < qb))[None, None]  # [1, 1, nq, nkv]
-    partial = (jb == qb)[None, None]
-    mask_mod = ttt_mask(k, Tp, lengths)
+    partial = ((jb == qb) & (s <= k))[None, None]
+    step = k if kv_steps is None else torch.tensor(k, device=device)  # a tensor: no guard on its value
+    mask_mod = ttt_mask(step, Tp, lengths)
     if lengths is not None:
         L = lengths.to(device).view(-1, 1, 1, 1)
         q_all_valid = (qb[None, None] + 1) * block <= L  # [B, 1, nq, 1]
@@ -265,25 +278,25 @@ def ttt_block_mask(
         step0 = (s == 0)[None, None]
         partial = (partial & ~step0) | (step0 & (jb <= qb)[None, None] & reach & ~((jb < qb)[None, None] & one_doc))
         full = full & one_doc
-        mask_mod = ttt_document_mask(k, Tp, doc_ids.to(device))
+        mask_mod = ttt_document_mask(step, Tp, doc_ids.to(device))
     return BlockMask.from_kv_blocks(
         *_dense_to_kv_blocks(partial),
         *_dense_to_kv_blocks(full),
         BLOCK_SIZE=block,
         mask_mod=mask_mod,
-        seq_lengths=(Tp, (k + 1) * Tp),
+        seq_lengths=(Tp, n * Tp),
     )
 
 
-_BLOCK_MASKS: dict = {}  # (Tp, k, device) -> BlockMask, for calls without lengths
+_BLOCK_MASKS: dict = {}  # (Tp, k, kv_steps, device) -> BlockMask, for calls without lengths
 
 
-def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device) -> BlockMask:
+def _cached_ttt_block_mask(Tp: int, k: int, device: torch.device, kv_steps: int | None = None) -> BlockMask:
     if torch.compiler.is_compiling():  # inside a compiled step: built once, in the graph
-        return ttt_block_mask(Tp, k, None, device)
-    key = (Tp, k, str(device))
+        return ttt_block_mask(Tp, k, None, device, kv_steps=kv_steps)
+    key = (Tp, k, kv_steps, str(device))
     if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS[key] = ttt_block_mask(Tp, k, None, device)
+        _BLOCK_MASKS[key] = ttt_block_mask(Tp, k, None, device, kv_steps=kv_steps)
     return _BLOCK_MASKS[key]
 
 
@@ -303,18 +316,20 @@ def ttt_attention_flex(
     return _flex_steps(q, k_cat, v_cat, Tp, len(ks) - 1, lengths, compiled, doc_ids)
 
 
-def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_ids=None):
-    """The flex call of TTT step k: q [B, Hq, T, D] against k_all / v_all [B, Hkv, (k+1) Tp, D],
-    steps 0..k at offsets s * Tp, each zero-padded to Tp. Returns [B, Hq, T, D]."""
+def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_ids=None, kv_steps=None):
+    """The flex call of TTT step k: q [B, Hq, T, D] against k_all / v_all [B, Hkv, n Tp, D], steps 0..k at
+    offsets s * Tp, each zero-padded to Tp; n = k + 1, or kv_steps (TTTFlexAttention's whole buffers: the
+    later slots masked, ttt_block_mask's kv_steps). Returns [B, Hq, T, D]."""
     T = q.shape[2]
+    assert k_all.shape[2] == (k + 1 if kv_steps is None else kv_steps) * Tp
     q_p = torch.nn.functional.pad(q, (0, 0, 0, Tp - T)) if Tp != T else q
     if doc_ids is not None:  # the Tp - T padded positions are padding (-1) too
         doc_ids = torch.nn.functional.pad(doc_ids, (0, Tp - T), value=-1) if Tp != T else doc_ids
-        block_mask = ttt_block_mask(Tp, k, None, q.device, doc_ids=doc_ids)
+        block_mask = ttt_block_mask(Tp, k, None, q.device, doc_ids=doc_ids, kv_steps=kv_steps)
     elif lengths is None:
-        block_mask = _cached_ttt_block_mask(Tp, k, q.device)
+        block_mask = _cached_ttt_block_mask(Tp, k, q.device, kv_steps)
     else:
-        block_mask = ttt_block_mask(Tp, k, lengths, q.device)
+        block_mask = ttt_block_mask(Tp, k, lengths, q.device, kv_steps=kv_steps)
     flex = flex_attention_compiled if compiled else flex_attention_eager
     opts = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and compiled else {}
     out = flex(q_p, k_all, v_all, block_mask=block_mask, enable_gqa=q.shape[1] != k_all.shape[1], **opts)
@@ -326,7 +341,8 @@ def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_i
 # at every step, and each step's copies stay saved for backward: at TTT 7 that is 1+2+...+7 = 28
 # step-sized K and V copies (at seq 4096, 8 KV heads of 128: 0.44 GiB, half of flex's peak).
 # Here each step writes only its own keys/values into one buffer [B, Hkv, n * Tp, D] per tensor
-# and attends over the buffer's first (k+1) * Tp rows, a view.
+# and attends over the whole buffer, the later steps' slots masked (since 2026-12-05; before, over its
+# first (k+1) * Tp rows, a view, a new shape each step and so a compile of flex per step).
 # The write goes through .data on purpose: earlier steps' flex calls saved views of the buffer's
 # first slices for their backward, and a tracked in-place write would bump the version counter
 # those views share and fail that backward, although the slices they read are never written
@@ -373,5 +389,6 @@ class TTTFlexAttention:
         self.kb = _WriteStep.apply(self.kb, ks[-1], k * Tp)
         self.vb = _WriteStep.apply(self.vb, vs[-1], k * Tp)
         self.written += 1
-        L = (k + 1) * Tp
-        return _flex_steps(q, self.kb[:, :, :L], self.vb[:, :, :L], Tp, k, lengths, self.compiled, doc_ids)
+        # the whole buffers at every step (the slots of later steps visited by no block): one shape and one
+        # mask_mod for the unroll, so compiled flex compiles once forward and once backward instead of per step
+        return _flex_steps(q, self.kb, self.vb, Tp, k, lengths, self.compiled, doc_ids, kv_steps=self.steps)

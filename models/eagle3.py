@@ -73,7 +73,8 @@ from models.proposer import Proposer, Tree
 # (GPU; no flex backward on CPU), K/V of all steps so far concatenated anew every step.
 # flex_buf: TTTFlexAttention, each step's K/V written once into shared buffers; meant to save the
 # concatenations' memory, but measured on the H200 it took more (1.37 vs 0.83 GiB at seq 4096,
-# TTT 7; BENCHMARKS.md), so it is an option to study, not the default.
+# TTT 7; BENCHMARKS.md), so it is an option to study, not the default. Every step's flex now takes
+# the whole buffers (one shape: one compile for the unroll, not one per step; not yet timed on a GPU).
 # Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
 ATTENTION = {
     "eager": lambda n: ttt_attention_eager,
