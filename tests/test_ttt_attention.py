@@ -81,15 +81,16 @@ def test_flex_compiled_matches_eager():
     torch.testing.assert_close(out[1, :, :70], want[1, :, :70], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_steps", [None, 4])
 @pytest.mark.parametrize("lengths", [None, [256, 130, 1, 128]])
-def test_ttt_block_mask_layout(lengths):
+def test_ttt_block_mask_layout(lengths, kv_steps):
     """The hand-built block structure equals what create_block_mask derives from the mask_mod
-    (partial and full blocks separately)."""
+    (partial and full blocks separately); with kv_steps over the whole buffer of later steps' keys."""
     Tp, k = 256, 2
     L = None if lengths is None else torch.tensor(lengths)
     nB = 1 if L is None else len(lengths)
-    ours = ttt_block_mask(Tp, k, L, "cpu")
-    ref = create_block_mask(ttt_mask(k, Tp, L), nB, None, Tp, (k + 1) * Tp, device="cpu")
+    ours = ttt_block_mask(Tp, k, L, "cpu", kv_steps=kv_steps)
+    ref = create_block_mask(ttt_mask(k, Tp, L), nB, None, Tp, (kv_steps or k + 1) * Tp, device="cpu")
     dense = lambda n, i: _ordered_to_dense(n, i, i.shape[-1]).bool()  # noqa: E731
     assert torch.equal(dense(ours.kv_num_blocks, ours.kv_indices), dense(ref.kv_num_blocks, ref.kv_indices))
     assert torch.equal(
@@ -186,16 +187,17 @@ def test_packed_row_equals_separate_documents():
             assert not torch.allclose(out2[0, :, 14:33], out[0, :, 14:33])
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_ttt_block_mask_layout_packed(k):
-    """The block structure built from per-block document ranges equals create_block_mask's from ttt_document_mask."""
+@pytest.mark.parametrize("k,kv_steps", [(0, None), (2, None), (0, 3), (2, 3)])
+def test_ttt_block_mask_layout_packed(k, kv_steps):
+    """The block structure built from per-block document ranges equals create_block_mask's from ttt_document_mask
+    (with kv_steps: over the whole buffer)."""
     Tp = 384
     doc = torch.full((3, Tp), -1, dtype=torch.int32)
     doc[0] = torch.tensor([0] * 100 + [1] * 200 + [2] * 84)  # boundaries inside blocks
     doc[1, :300] = torch.tensor([0] * 128 + [1] * 128 + [2] * 44)  # boundaries on blocks, then padding
     doc[2, :5] = 0  # one short document
-    ours = ttt_block_mask(Tp, k, None, "cpu", doc_ids=doc)
-    ref = create_block_mask(ttt_document_mask(k, Tp, doc), 3, None, Tp, (k + 1) * Tp, device="cpu")
+    ours = ttt_block_mask(Tp, k, None, "cpu", doc_ids=doc, kv_steps=kv_steps)
+    ref = create_block_mask(ttt_document_mask(k, Tp, doc), 3, None, Tp, (kv_steps or k + 1) * Tp, device="cpu")
     dense = lambda n, i: _ordered_to_dense(n, i, i.shape[-1]).bool()  # noqa: E731
     assert torch.equal(dense(ours.kv_num_blocks, ours.kv_indices), dense(ref.kv_num_blocks, ref.kv_indices))
     assert torch.equal(
