@@ -101,8 +101,8 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     attention: str = "auto"
     """eagle3's TTT attention: eager (reference) | lse (fused causal + diagonal, CPU/GPU) | flex (GPU;
     FlexAttention, K/V concatenated each step) | flex_buf (GPU; K/V written once into buffers, one
-    shape for all steps so flex compiles once; more memory: BENCHMARKS.md); auto = flex on GPU, lse on CPU. peagle, dflash, domino, dspark: eager (dense masks) |
-    flex (GPU); auto = flex on GPU, eager on CPU"""
+    shape for all steps so flex compiles once; more memory: BENCHMARKS.md); auto = flex on GPU, lse on
+    CPU. peagle, dflash, domino, dspark: eager (dense masks) | flex (GPU); auto = flex on GPU, eager on CPU"""
     loss: str = "auto"
     """eagle3's head + loss: torch (reference) | triton (in-place CE) | fused (chunked linear+CE); auto = triton
     on GPU (fastest end-to-end step on the H200, see BENCHMARKS.md), torch on CPU; the other families compute

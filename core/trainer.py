@@ -46,6 +46,12 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before training started, or a second one: no ch
 QUIET_S = 60.0  # a run with no step or evaluation batch done for this long says so (runlog.Heartbeat)
 
 
+def torch_older_than(major: int, minor: int) -> bool:
+    """torch.__version__ ("2.11.0+cu130") before major.minor."""
+    v = torch.__version__.split("+")[0].split(".")
+    return (int(v[0]), int(v[1])) < (major, minor)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate(cfg)
@@ -69,6 +75,14 @@ class Trainer:
         if kind == "cpu" and cfg.attention.startswith("flex"):
             raise ConfigError(
                 "--attention flex has no backward on CPU (torch raises NotImplementedError); use lse or eager"
+            )
+        if kind == "cpu" and cfg.compile and cfg.objective in ("tv", "rkl", "jsd") and torch_older_than(2, 13):
+            # tests/test_draft_step.py's compiled JSD step on CPU under torch 2.11 (2026-12-05, an H100 machine's
+            # CPU: experiments/results/cuda_tests_h100_draft_step.txt): the eager loss, other gradients
+            raise ConfigError(
+                f"--compile with --objective {cfg.objective} on CPU needs torch >= 2.13 (this is {torch.__version__}):"
+                " torch 2.11's inductor compiled the jsd step with wrong gradients (tv and rkl, the same ops, are"
+                " untested there); drop --compile"
             )
         if kind == "cpu" and cfg.gpu_memory:
             raise ConfigError(f"--gpu-memory {cfg.gpu_memory:g} caps a GPU's memory, and this run is on the CPU")

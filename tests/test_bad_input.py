@@ -145,6 +145,15 @@ def test_family_option_refusals_are_error_lines(tmp_path, tiny_run_inputs, kw, m
     assert msg.startswith(message)
 
 
+def test_compiled_divergences_on_an_old_torch_cpu(tmp_path, tiny_run_inputs, monkeypatch):
+    """torch 2.11's inductor compiled the JSD step on CPU with wrong gradients (tests/test_draft_step.py on the device
+    machine's CPU, 2026-12-05): train.py refuses --compile with the divergences there instead of training on them."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cpu")
+    kw = {"compile": True, "objective": "jsd", "device": "cpu"}
+    msg = main_fails(cfg_of(*tiny_run_inputs, tmp_path / "out", **kw), "error: --compile with --objective jsd on CPU")
+    assert "needs torch >= 2.13 (this is 2.11.0+cpu)" in msg
+
+
 def test_batch_must_split_over_ranks(monkeypatch, tiny_run_inputs, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "4")
 
