@@ -343,17 +343,19 @@ def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_i
 # Here each step writes only its own keys/values into one buffer [B, Hkv, n * Tp, D] per tensor
 # and attends over the whole buffer, the later steps' slots masked (since 2026-12-05; before, over its
 # first (k+1) * Tp rows, a view, a new shape each step and so a compile of flex per step).
-# The write goes through .data on purpose: earlier steps' flex calls saved views of the buffer's
-# first slices for their backward, and a tracked in-place write would bump the version counter
-# those views share and fail that backward, although the slices they read are never written
-# again. _WriteStep's backward routes the buffer's gradient: its slice to the step's k (or v),
-# the whole to the earlier writes.
-# Measured on the H200 (2026-11-29, bench_kernels.py, seq 4096, TTT 7, bf16): 1.37 GiB peak and
-# 15.5 ms against the concatenating path's 0.83 GiB and 15.0 ms, so it is not the default. Not
-# yet explained: on CPU, with a stand-in for flex that saves its inputs and returns fresh
-# gradients, the buffers, write chain included, peak lower than the concatenation (62 vs 72
-# step-sized tensors at TTT 7; experiments/flex_buf_memory_cpu.py), so the excess most likely sits
-# in compiled flex's handling of these strided views; a CUDA memory snapshot would tell.
+# The write goes through .data on purpose: earlier steps' flex calls saved the buffer for their
+# backward, and a tracked in-place write would bump the version counter it shares and fail that
+# backward, although what those calls read never changes: slots 0..k are never written again, and
+# the later slots a step k saved (written after it) are masked, in no block of its mask, so neither
+# its forward nor its backward kernel reads them. _WriteStep's backward routes the buffer's gradient:
+# its slice to the step's k (or v), the whole to the earlier writes.
+# Measured on the H200 with the views of the first (k+1) * Tp rows (2026-11-29, bench_kernels.py,
+# seq 4096, TTT 7, bf16): 1.37 GiB peak and 15.5 ms against the concatenating path's 0.83 GiB and
+# 15.0 ms, so it is not the default; the whole buffers are not measured on a GPU yet. Not yet
+# explained: on CPU, with a stand-in for flex that saves its inputs and returns fresh gradients, the
+# buffers, write chain included, peak lower than the concatenation (62 vs 72 step-sized tensors at
+# TTT 7 with the views, 68 with the whole buffers; experiments/flex_buf_memory_cpu.py), so the excess
+# most likely sits in compiled flex's handling of the buffers; a CUDA memory snapshot would tell.
 # ---------------------------------------------------------------------------------------------
 class _WriteStep(torch.autograd.Function):
     @staticmethod
