@@ -96,8 +96,8 @@ def test_buffers_peak_lower_around_a_stand_in_flex(monkeypatch):
     )
 
 
-@pytest.mark.parametrize("variant", ["plain", "packed"])  # lengths: the same mask code as plain
-def test_one_compile_for_the_whole_unroll(variant):
+@pytest.mark.parametrize("packed", [False, True])  # lengths: the same mask code as plain
+def test_one_compile_for_the_whole_unroll(packed):
     """Compiled flex (forward, through inductor on CPU) compiles once for TTTFlexAttention's whole unroll, where
     the concatenating path compiles once per step: every step has the same shapes and the same mask_mod
     constants (the step is a tensor), the fewer compiles a cold start pays on a GPU (forward and backward)."""
@@ -105,23 +105,18 @@ def test_one_compile_for_the_whole_unroll(variant):
 
     n, T = 3, 70
     qs, ks, vs = _inputs(T, n)
-    kw = {}
-    if variant == "lengths":
-        kw["lengths"] = torch.tensor([70, 41])
-    elif variant == "packed":
-        kw["doc_ids"] = torch.tensor([[0] * 30 + [1] * 40, [0] * 50 + [-1] * 20])
+    kw = {"doc_ids": torch.tensor([[0] * 30 + [1] * 40, [0] * 50 + [-1] * 20])} if packed else {}
 
-    def graphs(run) -> int:
+    def graphs(attend) -> tuple[int, list]:
+        """Compiled graphs made by one unroll through attend, and its outputs."""
         torch._dynamo.reset()
         counters.clear()
         with torch.no_grad():
-            outs = run()
+            outs = [attend(qs[s], ks[: s + 1], vs[: s + 1], **kw) for s in range(n)]
         return int(counters["stats"]["unique_graphs"]), outs
 
-    buf, got = graphs(
-        lambda: (lambda a: [a(qs[s], ks[: s + 1], vs[: s + 1], **kw) for s in range(n)])(TTTFlexAttention(n))
-    )
-    cat, want = graphs(lambda: [ttt_attention_flex(qs[s], ks[: s + 1], vs[: s + 1], **kw) for s in range(n)])
+    buf, got = graphs(TTTFlexAttention(n))
+    cat, want = graphs(ttt_attention_flex)
     assert (buf, cat) == (1, n)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
