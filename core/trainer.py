@@ -261,15 +261,16 @@ class Trainer:
         global_counts: bool = True,
         b: dict | None = None,
         key: int = 0,
-        rows: tuple = (None, None),
+        row_sizes: list[int] | None = None,
+        rows: int | None = None,
     ):
         """Target features -> the family's batch -> its loss. With global_counts the per-position
         normalisers are summed over ranks first, so every rank's loss is a share of one
         global mean (scale=world undoes FSDP's gradient averaging). b: the batch of `examples`
-        already built and on the device (the prefetcher's); else built here, rows: its (row_sizes, row
-        count) for host_batch (Batcher.eval_batches')."""
+        already built and on the device (the prefetcher's); else built here, row_sizes and rows as
+        host_batch takes them (Batcher.eval_batches')."""
         if b is None:
-            host = self.batcher.host_batch(examples, key, row_sizes=rows[0], rows=rows[1])
+            host = self.batcher.host_batch(examples, key, row_sizes=row_sizes, rows=rows)
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in host.items()}
         if self.store is not None:
             feats = batch_features(
@@ -321,7 +322,9 @@ class Trainer:
                 i = j * self.dp_size + self.dp_rank
                 w = float(i < len(batches))
                 examples, row_sizes = batches[i if w else 0]
-                loss, stats, counts, _ = self.forward(examples, global_counts=False, key=-1 - j, rows=(row_sizes, rows))
+                loss, stats, counts, _ = self.forward(
+                    examples, global_counts=False, key=-1 - j, row_sizes=row_sizes, rows=rows
+                )
                 del loss  # its graph (with autograd on) before the next batch's
                 tot_loss += w * stats["loss_sum"].detach().float().cpu()
                 tot_correct += w * stats["correct"].detach().float().cpu()
