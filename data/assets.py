@@ -8,7 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-CACHE_DIR = Path(os.environ.get("NANOSPEC_CACHE", Path.home() / ".cache" / "nanospec"))
+CACHE_DIR = Path(os.environ.get("NANOSPEC_CACHE") or Path.home() / ".cache" / "nanospec")  # empty means unset
 
 _ASSETS = {
     # name: (package to locate, path inside it, pip requirement)
