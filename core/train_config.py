@@ -408,6 +408,8 @@ def gpu_batch_tokens(cfg: TrainConfig, sizes: dict, total: int, in_use: int, dp:
     intermediate_size and vocab_size. Returns (tokens, why) where why says how it was chosen."""
     h, i, v = sizes["hidden_size"], sizes["intermediate_size"], sizes["vocab_size"]
     per_token = step_bytes_per_token(h, i, v, cfg.draft_vocab_size, cfg.ttt_length)
+    if cfg.features:  # two more batches of stored features (bf16 aux + final: 8H bytes a token) wait on the GPU
+        per_token += 2 * 8 * h  # (core/trainer.py's prefetch: one ready, one copied while it waits)
     fixed = in_use + draft_state_bytes(h, i, cfg.draft_vocab_size, cfg.draft_layers)
     free = GPU_MEMORY_SHARE * total - fixed
     fits = max(0, int(free // per_token))

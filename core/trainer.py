@@ -15,7 +15,7 @@ from tqdm import tqdm
 import core.checkpoint as checkpoint
 from core.disagg.roles import consumer_target
 from core.distributed import all_sum, barrier, init_distributed
-from core.features import BACKENDS, batch_features, load_target, open_for_training, pick_backend
+from core.features import BACKENDS, host_features, load_target, open_for_training, pick_backend
 from core.feeding import Batcher, batching, gpu_memory, load_data, packing
 from core.optim import MuonAdamW, lr_at, muon_groups
 from core.runlog import (
@@ -36,7 +36,7 @@ from data.vocab import count_tokens
 from models.families import FAMILIES
 from models.layers import param_count
 from models.moe import MoESizeError
-from models.target import TargetHeads, config_int, load_tokenizer, past_context, resolve_target
+from models.target import Features, TargetHeads, config_int, load_tokenizer, past_context, resolve_target
 
 # The exit status of a run stopped early with a checkpoint (a first SIGTERM or Ctrl-C, --time-limit): not
 # finished, `--resume` continues it. 75 is sysexits.h's EX_TEMPFAIL ("try again later"), apart from 0
@@ -254,6 +254,24 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_at(s, cfg, self.total_steps))
 
     # ---- one batch -> the family's loss ----
+    def with_features(self, host: dict) -> dict:
+        """A host batch (Batcher.host_batch's) with, where the features are stored (--features, or a consumer's
+        producers), its examples' aux_hidden / final_hidden added, padded to its rows (pinned on a GPU). On the
+        prefetch thread this reading and checking of the store overlaps the previous step; it sat between steps
+        on the main thread before, the GPU idle."""
+        if self.store is not None:
+            ids = host["input_ids"]
+            host |= host_features(
+                self.store,
+                host["examples"],
+                ids.shape[1],
+                self.dtype,
+                where=host.get("where"),
+                n_rows=ids.shape[0],
+                pin=self.device.type == "cuda",
+            )
+        return host
+
     def forward(
         self,
         examples,
@@ -270,18 +288,10 @@ class Trainer:
         already built and on the device (the prefetcher's); else built here, row_sizes and rows as
         host_batch takes them (Batcher.eval_batches')."""
         if b is None:
-            host = self.batcher.host_batch(examples, key, row_sizes=row_sizes, rows=rows)
+            host = self.with_features(self.batcher.host_batch(examples, key, row_sizes=row_sizes, rows=rows))
             b = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in host.items()}
         if self.store is not None:
-            feats = batch_features(
-                self.store,
-                examples,
-                b["input_ids"].shape[1],
-                self.device,
-                self.dtype,
-                where=b.get("where"),
-                n_rows=b["input_ids"].shape[0],
-            )
+            feats = Features(aux_hidden=b["aux_hidden"], final_hidden=b["final_hidden"])
         elif "doc_ids" in b:  # packed rows: each document attends to itself only, positions restart
             feats = self.target(b["input_ids"], doc_ids=b["doc_ids"], position_ids=b["position_ids"])
         else:
@@ -441,9 +451,11 @@ class Trainer:
         speed = self.throughput()
 
         def examples_of(step):
-            return self.batcher.step_batch(self.batches, step, self.step_examples(step))
+            return self.with_features(self.batcher.step_batch(self.batches, step, self.step_examples(step)))
 
-        prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device)
+        # stored features are the bulk of an offline batch (8H bytes a token): one batch waits ready, not two
+        depth = 1 if cfg.features or cfg.deploy.role == "consumer" else 2
+        prefetch = Prefetcher(examples_of, range(start, self.total_steps), self.device, depth=depth)
         stop = StopRequest(cfg.time_limit, self.device, self.world)
         try:
             return self.loop(start, prefetch, stop, speed, bar, t0, results)

@@ -33,7 +33,7 @@ Why this shape:
 
 The feature layout written by `capture.py features` (fields input_ids, loss_mask, aux_hidden,
 final_hidden) and its reader open_feature_store are at the bottom (core/features.py ties a store to a target for
-train.py: open_for_training, batch_features).
+train.py: open_for_training, host_features).
 """
 
 import hashlib

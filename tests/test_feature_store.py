@@ -275,3 +275,27 @@ def test_shards_without_checksums_still_read(tmp_path):
     assert store.verify("old") is False
     got = store.read(store.refs()[0])
     assert all(torch.equal(got[k], s[k]) for k in s)
+
+
+def test_host_features_places_examples_and_zeros_the_rest(tmp_path, monkeypatch):
+    """train.py --features' batch: each example's rows where `where` puts it, zeros everywhere else (a gap before an
+    example, the tail of a row, a padding row), even where the buffer starts as NaN garbage: a NaN at a padded
+    position would reach valid ones through masked attention (0 * NaN)."""
+    from core.features import host_features  # core imports data/; this file tests data/ alone otherwise
+
+    store = FeatureStore(tmp_path, schema())
+    ss = samples([4, 3, 5], seed=2)
+    store.put("s0", pack(ss), samples=[(0, 4), (1, 3), (2, 5)])
+    refs = store.refs()
+    examples = [fs.StoredExample(s["input_ids"].tolist(), s["loss_mask"].tolist(), refs[i]) for i, s in enumerate(ss)]
+    where = torch.tensor([[0, 0], [0, 4], [1, 2]])  # row 1 starts with a gap; row 2 is padding only
+    want_aux, want_fin = torch.zeros(3, 10, 24), torch.zeros(3, 10, 8)
+    for s, (b, c) in zip(ss, where.tolist()):
+        n = len(s["input_ids"])
+        want_aux[b, c : c + n], want_fin[b, c : c + n] = s["aux_hidden"], s["final_hidden"]
+    real_full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: real_full(shape, float("nan"), **kw))
+    got = host_features(store, examples, 10, torch.float32, where=where, n_rows=3)
+    assert torch.equal(got["aux_hidden"], want_aux) and torch.equal(got["final_hidden"], want_fin)
+    one = host_features(store, examples[:1], 6, torch.float32)  # unpacked: one example a row, right-padded
+    assert torch.equal(one["aux_hidden"], torch.cat([ss[0]["aux_hidden"], torch.zeros(2, 24)])[None])
