@@ -11,9 +11,10 @@ Steps (each skipped when its output is already in --work, so a rerun after a tim
 4. their trainer (`speculators.train.cli.main`, in a subprocess through the small wrapper SPEC_WRAPPER
    below, which records their per-step metric dicts as JSON lines and the peak GPU memory), AdamW, full
    attention in the draft layer, TTT --ttt-length, one packed row of --max-len tokens per step;
-5. train.py --features (packed rows, --batch-size conversations per step; 0 = as many as give their mean
-   real tokens per step).
-One JSON line per trainer is appended to --out: trainer, model, seq, tokens_per_step, real_tokens_per_s,
+5. train.py --features, once per --ours: `defaults` (no batching option: on a GPU packed rows of --max-len, as
+   many as train.py sizes from the GPU's memory, what a user gets) and `matched` (--batch-tokens --max-len: one
+   packed row a step, their tokens per step; the stricter comparison).
+One JSON line per run is appended to --out: trainer, model, seq, tokens_per_step, real_tokens_per_s,
 peak_gib, steps, command, versions, date.
 
 Throughput is the median over windows of --log-every steps after --skip-windows (train.py: its own
@@ -80,8 +81,8 @@ class Args(MaxLenOption, NumRecordsOption, DataOption):
     log_every: int = 5
     skip_windows: int = 2
     """windows left out of the median (compile, autotune, first shapes)"""
-    batch_size: int = 0
-    """train.py conversations per step (0 = their mean real tokens per step / our mean conversation length)"""
+    ours: tuple[str, ...] = ("defaults", "matched")
+    """train.py runs: defaults (its batching from the GPU's memory) and/or matched (one packed row a step)"""
     lr: float = 3e-4
     num_workers: int = 4
     """their DataLoader workers"""
@@ -286,8 +287,10 @@ def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]
     }
 
 
-def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
-    out = a.work / "nanospec_run"
+def our_row(a: Args, verifier: Path, store: Path, variant: str) -> dict:
+    """train.py --features as `variant` (Args.ours) batches it: defaults leave --batch-tokens at auto."""
+    out = a.work / f"nanospec_{variant}"
+    batching = {"batch_tokens": a.max_len} if variant == "matched" else {}
     cfg = TrainConfig(
         target=str(verifier),
         features=str(store),
@@ -295,7 +298,7 @@ def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
         pack="on",
         ttt_length=a.ttt_length,
         draft_vocab_size=a.draft_vocab_size,
-        batch_size=batch,
+        **batching,
         steps=a.steps,
         log_every=a.log_every,
         lr=a.lr,
@@ -307,9 +310,10 @@ def our_row(a: Args, verifier: Path, store: Path, batch: int) -> dict:
     cmd = [sys.executable, "train.py", *to_flags(cfg)]
     cmd += [w for x in a.our_extra for w in x.split()]
     t = time.time()
-    run(cmd, a.work / "nanospec.log")
+    run(cmd, a.work / f"nanospec_{variant}.log")
     return {
         "trainer": "nanospec",
+        "variant": variant,
         **train_py_figures(out, a.skip_windows),
         "wall_s": time.time() - t,
         "command": " ".join(["python", *cmd[1:]]).replace(str(a.work), "WORK"),
@@ -348,21 +352,22 @@ def main(a: Args):
         convert(store, data)
         print(f"[anchor] their data dir {data} ({time.time() - t:.0f} s)", flush=True)
         rows.append(their_row(a, verifier, data, env, engine_aux_ids(s.schema["aux_layers"], "vllm")))
-    if "nanospec" in a.trainers:
-        batch = a.batch_size
-        if not batch:
-            per_step = rows[0]["tokens_per_step"] if rows else 0.97 * a.max_len
-            batch = max(1, round(per_step / statistics.mean(n - 1 for n in lengths)))
-        rows.append(our_row(a, verifier, store, batch))
-    if len(rows) == 2:
-        rows[1]["vs_speculators"] = rows[1]["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(a.out, "a") as f:
-        for r in rows:
-            r = {**common, **r}
-            print(json.dumps(r), flush=True)
+
+    def write(r):  # each row as it comes: a call cut short keeps the runs that finished
+        r = {**common, **r}
+        if rows and r["trainer"] == "nanospec" and rows[0]["trainer"] == "speculators":
+            r["vs_speculators"] = r["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+        print(json.dumps(r), flush=True)
+        with open(a.out, "a") as f:
             f.write(json.dumps(r) + "\n")
-    os.sync()
+        os.sync()
+
+    if rows:
+        write(rows[0])
+    if "nanospec" in a.trainers:
+        for variant in a.ours:
+            write(our_row(a, verifier, store, variant))
 
 
 if __name__ == "__main__":
