@@ -31,7 +31,7 @@ on a GPU today). They validate and save a checkpoint (model + optimizer) after t
 evaluates 8 held-out conversations at start and end: all outside the timed windows.
 
     bash tools/speculators_wheels.sh          # CPU machine: speculators + deps as py3.12 wheels in .whl-spec/
-    python experiments/speculators_anchor.py --tokenizer .whl-spec/tokenizer          # GPU
+    bash experiments/h200_anchor.sh          # GPU: this script on the tokenizer of .whl-spec, rows to $OUT
     python experiments/speculators_anchor.py --smoke   # CPU, the preset 64 wide: both trainers run 6 steps
 
 --smoke runs their trainer on the CPU with one substitution: their Trainer moves the model and batches to

@@ -8,8 +8,8 @@
 #     pydantic(-core, -settings), python-dotenv, openai 2.x (3.x wants httpx2) with jiter/distro/sniffio and
 #     httpx/httpcore/h11 (huggingface_hub 2.x moved to httpx2, so the image may have no httpx),
 #     rich + pygments/markdown-it-py/mdurl, typing-extensions/-inspection, annotated-types;
-#   - tokenizer/: SmolLM2-135M-Instruct's tokenizer and config.json (tools/random_target.py --tokenizer
-#     takes it), so the GPU call needs no staged model file.
+#   - tokenizer/: SmolLM2-135M-Instruct's tokenizer (tokenizer.json gzipped) and config.json (tools/random_target.py
+#     --tokenizer takes it once unzipped), so the GPU call needs no staged model file.
 # The anchor script installs the wheels with --no-deps into its --work/site-spec and puts that first on
 # PYTHONPATH for their trainer's process only (train.py never sees them). Pins: the versions the CPU smoke
 # (`experiments/speculators_anchor.py --smoke`) ran with. Usage, from the project root:
@@ -36,6 +36,9 @@ src = resolve_target("smollm2")  # the packaged GGUF, converted once
 load_tokenizer(src).save_pretrained(".whl-spec/tokenizer")
 shutil.copy(src / "config.json", ".whl-spec/tokenizer/config.json")  # tools/random_target.py checks it
 EOF
+# gzipped (3.4 MB -> 0.6 MB): a call's tree is at most 64 MiB, and the repository (~52 MiB) + .whl-spec + the wheels
+# of .whl the anchor needs came to ~66 MiB; experiments/h200_anchor.sh unzips it on the GPU machine
+gzip -9f .whl-spec/tokenizer/tokenizer.json
 ls -la .whl-spec .whl-spec/tokenizer
 du -sh .whl-spec
 kb=$(du -sk .whl-spec | cut -f1)
