@@ -227,8 +227,8 @@ def host_features(
     rows = [store.read(e.ref, ["aux_hidden", "final_hidden"]) for e in examples]
     place = [(i, 0) for i in range(len(rows))] if where is None else [tuple(w) for w in where.tolist()]
     R = n_rows or 1 + max(r for r, _ in place)
-    # empty, then zeros only where no example lands: a fresh buffer is written once, not twice (at 8B width,
-    # ~32 KiB a token, zeroing it all first doubled the host's time)
+    # empty, then zeros only where no example lands: a fresh buffer is written once, not twice (at 8B width a
+    # 4,096-token batch is 128 MiB)
     aux = torch.empty(R, T, rows[0]["aux_hidden"].shape[-1], dtype=dtype, pin_memory=pin)
     fin = torch.empty(R, T, rows[0]["final_hidden"].shape[-1], dtype=dtype, pin_memory=pin)
     spans = [[] for _ in range(R)]  # per row: (start, end) of the columns filled

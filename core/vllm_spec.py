@@ -9,7 +9,7 @@ job.json: {"target": dir, "draft": serving dir or null (no speculation), "k": K,
            "method": "eagle3" (default) | "dflash" | "ngram" (no draft) (any vLLM method),
            "speculative_extra": {more speculative_config},
            "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
-           "max_model_len": 2048, "batch": true}
+           "max_model_len": 2048, "batch": true, "eager": true}
 result.json: {"outputs": [[token ids], ...], "metrics": {"num_drafts", "num_draft_tokens",
               "num_accepted_tokens", "accepted_per_pos": [...]}, "vllm_version", "seconds"}
 With "batch": false the prompts run one at a time (per-prompt counters in "per_prompt").
@@ -189,7 +189,7 @@ def serve(job: dict, shutdown: bool = False) -> dict:
         model=job["target"],
         dtype=job.get("dtype", "float32"),
         max_model_len=int(job.get("max_model_len", 2048)),
-        enforce_eager=True,
+        enforce_eager=bool(job.get("eager", True)),  # false: vLLM's torch.compile of the models (minutes on a CPU)
         disable_log_stats=False,
         seed=0,
         **kw,

@@ -37,6 +37,9 @@ class Args(TargetOption):
     num_prompts: int = 6
     """per dataset (MT-Bench, HumanEval, GSM8K)"""
     max_new_tokens: int = 128
+    eager: bool = True
+    """vLLM without torch.compile (enforce_eager, as the rows before 2026-12-05); --no-eager: compiled, minutes
+    more to start on a CPU"""
     out: str = ""
     """append one JSON line per run here"""
 
@@ -78,6 +81,7 @@ def main(a: Args) -> list[dict]:
         "prompts": len(ps),
         "max_new_tokens": a.max_new_tokens,
         "draft": a.draft,
+        "eager": a.eager,
     }
     for name, job in runs:
         res = run_job(
@@ -89,6 +93,7 @@ def main(a: Args) -> list[dict]:
                 "max_model_len": 4096,
                 "batch": False,
                 "k": 1,
+                "eager": a.eager,
                 **job,
             },
             timeout=3600,
