@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from data.datasets import collate
 from data.feature_store import FeatureStore, StoredExample, StoreError, open_feature_store
-from models.target import Features, Target, TargetHeads, fingerprint, load_heads
+from models.target import Features, Target, TargetHeads, fingerprint, load_heads, seed_drawn_at_load
 
 BACKENDS = ("hf", "compiled", "vllm")  # train.py / capture.py / producers --backend: who runs the target forward
 # (train.py's default "auto" is resolved by pick_backend)
@@ -77,7 +77,7 @@ def pick_backend(target_dir: Path, kind: str) -> tuple[str, str | None]:
         TargetConfig.from_dict(json.loads((Path(target_dir) / "config.json").read_text()))
     except (NotImplementedError, KeyError) as e:
         return "hf", f"the compiled target does not build this one ({e})"
-    if not any(Path(target_dir).glob("*.safetensors")):
+    if not any(Path(target_dir).glob("*.safetensors")) and seed_drawn_at_load(target_dir) is None:
         return "hf", f"{target_dir} has no .safetensors files (the compiled target reads only those)"
     return "compiled", None
 

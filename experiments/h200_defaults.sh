@@ -11,11 +11,21 @@
 #    the defaults at --max-len 4096 and a draft vocabulary of 32,000, 40 steps, as on an 80 GiB GPU
 #    (--gpu-memory ${GPU_GIB:-80}: the allocator capped there): the budget the defaults choose and the peak
 #    (issue 32's goal: the 8B default run within 80 GiB).
-# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "harness8b", "8b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
+# 4. ONLY="harness30b 30b" (not run unless named): the same for the Qwen3-30B-A3B shape, the harness at
+#    HARNESS_BATCH_30B (4: SpecForge's) and train.py's defaults with no memory cap (its weights alone are 57 GiB:
+#    an H200's run). Its target is written without weights (tools/random_target.py --no-weights: 61 GB would fill
+#    the machine's disk) and drawn on the GPU when train.py loads it. Neither needs the staged model: carry
+#    [".device", ".whl", ".whl-spec/tokenizer"] and TOKENIZER=.whl-spec/tokenizer (tools/speculators_wheels.sh).
+# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "harness8b", "8b", "harness30b", "30b") runs those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
 T=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
-[[ -f $T ]] || { echo "no staged target at $T"; exit 1; }
+staged() { [[ -f $T ]] || { echo "no staged target at $T (ONLY=${ONLY:-main full})"; exit 1; }; }
+for r in ${ONLY:-main full}; do [[ $r == *30b ]] || staged; done  # the 30B runs need no staged model
+if [[ -n ${TOKENIZER:-} && -f $TOKENIZER/tokenizer.json.gz ]]; then  # .whl-spec/tokenizer travels gzipped
+  mkdir -p /tmp/tokenizer && cp $TOKENIZER/* /tmp/tokenizer/ && gunzip -f /tmp/tokenizer/tokenizer.json.gz
+  TOKENIZER=/tmp/tokenizer
+fi
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 5; done) > $OUT/smi.log 2>&1 &
 SMI=$!
 run() {  # name, train.py flags...
@@ -59,6 +69,22 @@ if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
   PROBE[8b]=train.py
   TARGET=$R8B RUN_S=${RUN_S_8B:-420} run 8b --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
     --draft-vocab-size 32000 --holdout 8 --gpu-memory ${GPU_GIB:-80}
+fi
+if [[ " ${ONLY:-main full} " == *" harness30b "* ]]; then
+  t0=$SECONDS
+  timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target qwen3-30b-a3b --backends compiled \
+    --batch-size ${HARNESS_BATCH_30B:-4} --no-search --no-attn-bench --out $OUT/harness30b.jsonl \
+    --figure $OUT/harness30b.png > $OUT/harness30b.log 2>&1
+  echo "harness30b rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/harness30b.log
+  cut -c1-400 $OUT/harness30b.jsonl 2>/dev/null | tail -3
+fi
+if [[ " ${ONLY:-main full} " == *" 30b "* ]]; then
+  R30B=/tmp/qwen30b
+  [[ -f $R30B/config.json ]] || python3 tools/random_target.py qwen3-30b-a3b $R30B --no-weights \
+    --tokenizer ${TOKENIZER:-$T} > $OUT/random_target_30b.log 2>&1
+  PROBE[30b]=train.py
+  TARGET=$R30B RUN_S=${RUN_S_30B:-420} run 30b --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
+    --draft-vocab-size 32000 --holdout 8 ${GPU_GIB_30B:+--gpu-memory $GPU_GIB_30B}
 fi
 kill $SMI 2>/dev/null
 ls -la $OUT

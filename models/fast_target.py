@@ -57,7 +57,7 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from models.target import Features, default_aux_layers, resolve_target
+from models.target import Features, default_aux_layers, resolve_target, seed_drawn_at_load
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -457,9 +457,14 @@ class FastTarget(nn.Module):
     @classmethod
     def from_pretrained(cls, spec, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True):
         """An HF directory (or anything models.target.resolve_target takes): safetensors are
-        memory-mapped and streamed tensor by tensor to `device`, then assigned (no init)."""
+        memory-mapped and streamed tensor by tensor to `device`, then assigned (no init). A directory of
+        tools/random_target.py --no-weights has none: its weights are drawn here, as from_config with its seed."""
         path = resolve_target(str(spec))
         config = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
+        if (seed := seed_drawn_at_load(path)) is not None:  # tools/random_target.py --no-weights: drawn here
+            m = cls.from_config(config, aux_layers, dtype, device, need_final, seed)
+            m.path = path
+            return m
         with torch.device("meta"):
             m = cls(config, aux_layers, need_final, path)
         files = sorted(path.glob("*.safetensors"))

@@ -286,6 +286,7 @@ class Target(nn.Module):
         from transformers import AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
         path = resolve_target(str(spec))
+        refuse_drawn_at_load(path, "the hf backend (transformers)")
         model = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype).to(device)
         return cls(model, aux_layers, path)
 
@@ -350,6 +351,28 @@ def packed_attention_mask(doc_ids: torch.Tensor, dtype, attn_implementation: str
     )[:, None]
 
 
+DRAWN_AT_LOAD = "drawn at load"  # config.json's nanospec_random.weights of `tools/random_target.py --no-weights`
+
+
+def seed_drawn_at_load(path: Path) -> int | None:
+    """The seed of a random target whose weights are drawn when it loads (a directory without weight files:
+    tools/random_target.py --no-weights), or None for a target with weights."""
+    try:
+        random = json.loads((Path(path) / "config.json").read_text()).get("nanospec_random") or {}
+    except (OSError, ValueError):
+        return None
+    return int(random.get("seed", 0)) if random.get("weights") == DRAWN_AT_LOAD else None
+
+
+def refuse_drawn_at_load(path: Path, who: str):
+    """A TargetError for loaders that read weight files (transformers, the heads of stored features)."""
+    if seed_drawn_at_load(path) is not None:
+        raise TargetError(
+            f"{path} has no weight files (tools/random_target.py --no-weights: the compiled backend draws them when "
+            f"it loads): {who} reads weight files; pass --backend compiled, or write the target with its weights"
+        )
+
+
 def fingerprint(path: Path) -> str:
     """Identity of a target directory: config.json plus the size and the first and last MiB of
     every weight file (cheap; tells apart fine-tunes of one architecture)."""
@@ -395,6 +418,7 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu", norm: bool =
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
     path = resolve_target(str(spec))
+    refuse_drawn_at_load(path, "training from stored features (its embeddings and lm_head)")
     config = _from_pretrained(AutoConfig, path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

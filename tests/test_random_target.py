@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig
-from models.target import Target
+from models.target import Target, TargetError, load_heads
 from tools.random_target import write_random_target
 
 TINY = {
@@ -46,3 +46,25 @@ def test_vocab_smaller_than_tokenizer_fails(tmp_path):
         write_random_target(
             {**PRESETS["llama-3.1-8b"], **TINY, "vocab_size": 1000}, tmp_path / "t", dtype=torch.float32
         )
+
+
+def test_no_weights_target_is_drawn_at_load(tmp_path):
+    """--no-weights: config.json and the tokenizer only (the 30B-A3B shape's 61 GB would fill the GPU machine's disk);
+    the compiled backend draws the weights from_config would with the seed, --backend auto takes it on a GPU, and the
+    loaders that read weight files refuse it by name."""
+    from core.features import pick_backend  # core imports models/: this file tests tools/ and models/ otherwise
+
+    cfg = {**PRESETS["qwen3-30b-a3b"], **TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    out = write_random_target(cfg, tmp_path / "t", dtype=torch.float32, seed=5, weights=False)
+    assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").exists()
+    ref = FastTarget.from_config(TargetConfig.from_dict(cfg), [0, 1, 2], dtype=torch.float32, device="cpu", seed=5)
+    back = FastTarget.from_pretrained(out, [0, 1, 2], dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, cfg["vocab_size"], (2, 9))
+    a, b = ref(ids), back(ids)
+    assert torch.equal(a.aux_hidden, b.aux_hidden) and torch.equal(a.final_hidden, b.final_hidden)
+    assert back.path == out
+    assert pick_backend(out, "cuda") == ("compiled", None)
+    with pytest.raises(TargetError, match="no weight files.*the hf backend"):
+        Target.load(out, [0, 1, 2], torch.float32, "cpu")
+    with pytest.raises(TargetError, match="no weight files.*stored features"):
+        load_heads(out, [0, 1, 2])

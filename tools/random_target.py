@@ -11,6 +11,13 @@ reads them) with model.safetensors.index.json, so that transformers loads them t
 disaggregated producer's HF target, the consumer's embeddings and lm_head), and a tokenizer with a chat template
 (SmolLM2's, whose ids all fit the presets' vocabularies: 49,152 < 128,256 / 151,936). Weights are
 N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixes them.
+
+--no-weights writes config.json and the tokenizer only, and the compiled backend draws the weights on the GPU
+when it loads the directory (FastTarget.from_pretrained): the Qwen3-30B-A3B shape is 61 GB of weights, about the
+whole disk of the GPU machine. Nothing else reads such a directory (transformers, stored features' heads): they
+say so.
+
+    python tools/random_target.py qwen3-30b-a3b /tmp/qwen30b --no-weights   # seconds, a few MB
 """
 
 import dataclasses
@@ -28,15 +35,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig  # noqa: E402
-from models.target import DEFAULT_TARGET, resolve_target  # noqa: E402
+from models.target import DEFAULT_TARGET, DRAWN_AT_LOAD, resolve_target  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 
 
 def write_random_target(
-    config: dict, out: Path, tokenizer: str = DEFAULT_TARGET, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0
+    config: dict,
+    out: Path,
+    tokenizer: str = DEFAULT_TARGET,
+    device: str = "cpu",
+    dtype=torch.bfloat16,
+    seed: int = 0,
+    weights: bool = True,
 ) -> Path:
-    """Build the model on `device`, write it to `out` (through a temporary dir renamed into place)."""
+    """Build the model on `device`, write it to `out` (through a temporary dir renamed into place). weights=False:
+    config.json and the tokenizer only, the weights drawn by FastTarget.from_pretrained when it loads `out`."""
     from transformers import AutoTokenizer  # lazy: transformers (~1.5 s to import) stays out of --help
 
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
@@ -46,12 +60,26 @@ def write_random_target(
         )
     if not tok.chat_template:
         raise ValueError(f"tokenizer {tokenizer!r} has no chat template; train.py needs one")
-    # aux layer 0 + need_final: every layer is built (which aux layers a run reads is its own choice)
-    model = FastTarget.from_config(TargetConfig.from_dict(config), [0], dtype=dtype, device=device, seed=seed)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    if weights:
+        write_weights(config, tmp, device, dtype, seed)
+    random = {"seed": seed, "tokenizer": tokenizer} | ({} if weights else {"weights": DRAWN_AT_LOAD})
+    cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": random}
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def write_weights(config: dict, tmp: Path, device: str, dtype, seed: int):
+    """The random model's safetensors shards and their HF index into `tmp`."""
+    # aux layer 0 + need_final: every layer is built (which aux layers a run reads is its own choice)
+    model = FastTarget.from_config(TargetConfig.from_dict(config), [0], dtype=dtype, device=device, seed=seed)
     shard, size, n = {}, 0, 0
     weight_map, total = {}, 0  # the HF index: tensor name -> shard file
 
@@ -75,17 +103,6 @@ def write_random_target(
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
-    cfg = {
-        **config,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "nanospec_random": {"seed": seed, "tokenizer": tokenizer},
-    }
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    tok.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 @dataclasses.dataclass
@@ -102,13 +119,16 @@ class Args:
     seed: int = 0
     tokenizer: str = DEFAULT_TARGET
     """model dir / .gguf / 'smollm2' whose tokenizer is copied"""
+    weights: bool = True
+    """--no-weights: no weight files; the compiled backend draws them when it loads the directory"""
 
 
 def main(a: Args):
     config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed)
-    print(f"wrote {out} ({sum(f.stat().st_size for f in out.glob('*.safetensors')) / 2**30:.1f} GiB)")
+    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed, a.weights)
+    gib = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
+    print(f"wrote {out} ({f'{gib:.1f} GiB' if a.weights else 'no weights: drawn at load by --backend compiled'})")
 
 
 if __name__ == "__main__":
