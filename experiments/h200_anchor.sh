@@ -15,7 +15,7 @@ cp .whl-spec/tokenizer/* /tmp/anchor_tok/
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) \
   > $OUT/smi_anchor.log 2>&1 &
 SMI=$!
-timeout -k 10 ${LIMIT:-575} python3 experiments/speculators_anchor.py --tokenizer /tmp/anchor_tok \
+timeout -k 10 ${LIMIT:-555} python3 experiments/speculators_anchor.py --tokenizer /tmp/anchor_tok \
   --out $OUT/speculators_anchor_h200.jsonl "$@" > $OUT/anchor.log 2>&1
 echo "anchor exit $?" >> $OUT/anchor.log
 (cd /tmp/speculators_anchor && tar czf $OUT/anchor_logs.tgz *.log nanospec_*/run.json nanospec_*/metrics.jsonl 2>/dev/null)
