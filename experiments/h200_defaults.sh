@@ -62,14 +62,14 @@ PROBE[full_compile]=${PROBE[full]/stacks_full/stacks_full_compile}
 # ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
 # batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two.
 # HARNESS_BATCH=4 on an 80 GiB GPU (8 rows need ~84 GiB; 2026-12-05 on an H100: results/defaults_h100/)
-if [[ " ${ONLY:-main full} " == *" harness8b "* ]]; then
-  t0=$SECONDS
-  timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target llama-3.1-8b --backends compiled \
-    --batch-size ${HARNESS_BATCH:-8} --no-search --no-attn-bench --out $OUT/harness8b.jsonl \
-    --figure $OUT/harness8b.png > $OUT/harness8b.log 2>&1
-  echo "harness8b rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/harness8b.log
-  cut -c1-400 $OUT/harness8b.jsonl 2>/dev/null | tail -3
-fi
+harness() {  # name, preset, rows a step
+  local t0=$SECONDS
+  timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target $2 --backends compiled \
+    --batch-size $3 --no-search --no-attn-bench --out $OUT/$1.jsonl --figure $OUT/$1.png > $OUT/$1.log 2>&1
+  echo "$1 rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/$1.log
+  cut -c1-400 $OUT/$1.jsonl 2>/dev/null | tail -3
+}
+[[ " ${ONLY:-main full} " == *" harness8b "* ]] && harness harness8b llama-3.1-8b ${HARNESS_BATCH:-8}
 if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
   R8B=/tmp/llama8b
   [[ -f $R8B/config.json ]] || python3 tools/random_target.py llama-3.1-8b $R8B --tokenizer $T > $OUT/random_target.log 2>&1
@@ -77,14 +77,7 @@ if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
   TARGET=$R8B RUN_S=${RUN_S_8B:-420} run 8b --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
     --draft-vocab-size 32000 --holdout 8 --gpu-memory ${GPU_GIB:-80}
 fi
-if [[ " ${ONLY:-main full} " == *" harness30b "* ]]; then
-  t0=$SECONDS
-  timeout -k 10 ${RUN_S_H:-360} python3 experiments/throughput.py --target qwen3-30b-a3b --backends compiled \
-    --batch-size ${HARNESS_BATCH_30B:-4} --no-search --no-attn-bench --out $OUT/harness30b.jsonl \
-    --figure $OUT/harness30b.png > $OUT/harness30b.log 2>&1
-  echo "harness30b rc=$? wall_s=$((SECONDS - t0))" | tee -a $OUT/harness30b.log
-  cut -c1-400 $OUT/harness30b.jsonl 2>/dev/null | tail -3
-fi
+[[ " ${ONLY:-main full} " == *" harness30b "* ]] && harness harness30b qwen3-30b-a3b ${HARNESS_BATCH_30B:-4}
 if [[ " ${ONLY:-main full} " == *" 30b "* ]]; then
   R30B=/tmp/qwen30b
   [[ -f $R30B/config.json ]] || python3 tools/random_target.py qwen3-30b-a3b $R30B --no-weights \
