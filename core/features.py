@@ -231,15 +231,10 @@ def host_features(
     # 4,096-token batch is 128 MiB)
     aux = torch.empty(R, T, rows[0]["aux_hidden"].shape[-1], dtype=dtype, pin_memory=pin)
     fin = torch.empty(R, T, rows[0]["final_hidden"].shape[-1], dtype=dtype, pin_memory=pin)
-    spans = [[] for _ in range(R)]  # per row: (start, end) of the columns filled
+    filled = torch.zeros(R, T, dtype=torch.bool)
     for r, (b, s) in zip(rows, place):
         n = r["aux_hidden"].shape[0]
         aux[b, s : s + n], fin[b, s : s + n] = r["aux_hidden"], r["final_hidden"]
-        spans[b].append((s, s + n))
-    for b, filled in enumerate(spans):
-        end = 0
-        for s, e in [*sorted(filled), (T, T)]:
-            if s > end:
-                aux[b, end:s], fin[b, end:s] = 0, 0
-            end = max(end, e)
+        filled[b, s : s + n] = True
+    aux[~filled], fin[~filled] = 0, 0
     return {"aux_hidden": aux, "final_hidden": fin}
