@@ -345,26 +345,25 @@ def main(a: Args):
         **environment(),
     }
     common |= {"draft_vocab_size": a.draft_vocab_size, "data": a.data, "samples": len(lengths), "optimizer": "adamw"}
-    rows = []
-    if "speculators" in a.trainers:
-        data = a.work / "spec_data"
-        t = time.time()
-        convert(store, data)
-        print(f"[anchor] their data dir {data} ({time.time() - t:.0f} s)", flush=True)
-        rows.append(their_row(a, verifier, data, env, engine_aux_ids(s.schema["aux_layers"], "vllm")))
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    theirs = None  # their row, which ours are compared with
 
     def write(r):  # each row as it comes: a call cut short keeps the runs that finished
         r = {**common, **r}
-        if rows and r["trainer"] == "nanospec" and rows[0]["trainer"] == "speculators":
-            r["vs_speculators"] = r["real_tokens_per_s"] / rows[0]["real_tokens_per_s"]
+        if theirs is not None and r["trainer"] == "nanospec":
+            r["vs_speculators"] = r["real_tokens_per_s"] / theirs["real_tokens_per_s"]
         print(json.dumps(r), flush=True)
         with open(a.out, "a") as f:
             f.write(json.dumps(r) + "\n")
         os.sync()
 
-    if rows:
-        write(rows[0])
+    if "speculators" in a.trainers:
+        data = a.work / "spec_data"
+        t = time.time()
+        convert(store, data)
+        print(f"[anchor] their data dir {data} ({time.time() - t:.0f} s)", flush=True)
+        theirs = their_row(a, verifier, data, env, engine_aux_ids(s.schema["aux_layers"], "vllm"))
+        write(theirs)
     if "nanospec" in a.trainers:
         for variant in a.ours:
             write(our_row(a, verifier, store, variant))
