@@ -19,20 +19,25 @@ def test_script_parses(script):
     assert p.returncode == 0, p.stderr
 
 
-def test_defaults_30b_runs_without_a_staged_model(tmp_path):
+def stubbed_env(tmp_path: Path, **extra) -> dict:
+    """The environment of a device script run here: python3 echoes its command line, nvidia-smi does nothing,
+    $OUT is tmp_path/out; plus `extra`."""
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "python3").write_text('#!/bin/bash\necho "python3 $*"\n')
     (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
     for f in stub.iterdir():
         f.chmod(0o755)
+    (tmp_path / "out").mkdir()
+    return {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), **extra}
+
+
+def test_defaults_30b_runs_without_a_staged_model(tmp_path):
     tok = tmp_path / "tok"  # .whl-spec/tokenizer's layout: tokenizer.json travels gzipped
     tok.mkdir()
     subprocess.run(["bash", "-c", f"echo '{{}}' > {tok}/tokenizer.json && gzip {tok}/tokenizer.json"], check=True)
     out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(out), "ONLY": "harness30b 30b"}
-    env["TOKENIZER"] = str(tok)
+    env = stubbed_env(tmp_path, ONLY="harness30b 30b", TOKENIZER=str(tok))
     p = subprocess.run(
         ["bash", "experiments/h200_defaults.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -54,15 +59,8 @@ def test_defaults_30b_runs_without_a_staged_model(tmp_path):
 
 @pytest.mark.skipif(not (ROOT / ".whl-spec/tokenizer").is_dir(), reason="no .whl-spec (tools/speculators_wheels.sh)")
 def test_anchor_call_unzips_the_tokenizer(tmp_path):
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    (stub / "python3").write_text('#!/bin/bash\necho "python3 $*"\n')
-    (stub / "nvidia-smi").write_text("#!/bin/bash\nexit 0\n")
-    for f in stub.iterdir():
-        f.chmod(0o755)
     out, tok = tmp_path / "out", tmp_path / "tok"
-    out.mkdir()
-    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(out), "ANCHOR_TOK": str(tok)}
+    env = stubbed_env(tmp_path, ANCHOR_TOK=str(tok))
     p = subprocess.run(
         ["bash", "experiments/h200_anchor.sh", "--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True
     )
