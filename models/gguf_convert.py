@@ -89,6 +89,11 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# tokenizer.ggml.pre names that transformers 5.24 converts to the plain GPT-2 byte-level pre-tokenizer, the one built
+# here (others, e.g. llama-bpe and qwen2, get a split regex of their own there). A list of names, not transformers'
+# table: transformers 5.17 (the GPU machine's) has no such table, and its own conversion of SmolLM2 marks
+# <|im_start|> as the eos token; this reader writes the same directory under either version.
+PLAIN_PRE_TOKENIZERS = ("default", "gpt-2", "smollm")
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 CONTROL, USER_DEFINED = 3, 4
 # the special tokens of a tokenizer_config and the metadata keys of their ids
@@ -242,14 +247,8 @@ def unsupported(gg: GGUFFile) -> str | None:
     wanted = set(hf_names(layers))  # output.weight included: a file without it ties the embeddings
     if odd := sorted((set(gg.tensors) - wanted) | (wanted - set(gg.tensors) - {"output.weight"})):
         return f"tensors other than llama's, or some missing ({', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''})"
-    try:  # transformers gives some pre-tokenizers their own split regex; this reader builds the plain byte-level one
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # lazy: transformers (~2 s to import)
-            GGUF_PRE_TOKENIZER_SPLITS,
-        )
-    except ImportError:
-        return "this transformers (no GGUF_PRE_TOKENIZER_SPLITS where this reader looks)"
-    if (pre := md.get("tokenizer.ggml.pre")) in GGUF_PRE_TOKENIZER_SPLITS:
-        return f"tokenizer.ggml.pre {pre!r}"
+    if (pre := md.get("tokenizer.ggml.pre")) not in PLAIN_PRE_TOKENIZERS:
+        return f"tokenizer.ggml.pre {pre!r} (this reader: {', '.join(PLAIN_PRE_TOKENIZERS)})"
     return None
 
 

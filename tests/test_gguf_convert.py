@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import models.target as target_mod
 from data.assets import asset_path
-from models.gguf_convert import byte_chars, convert, dequantize, read_gguf, unsupported
+from models.gguf_convert import PLAIN_PRE_TOKENIZERS, byte_chars, convert, dequantize, read_gguf, unsupported
 from models.target import TargetError, convert_with_transformers, load_tokenizer, resolve_target
 
 # tokenizer_config.json keys only transformers' path writes: from_pretrained records its own loading arguments
@@ -229,10 +229,12 @@ def tiny_llama_gguf(path, pre="default", kinds=None):
     return write_gguf(path, tensors, metadata)
 
 
-def test_tiny_llama_agrees_with_transformers(tmp_path):
+@pytest.mark.parametrize("pre", PLAIN_PRE_TOKENIZERS)
+def test_tiny_llama_agrees_with_transformers(tmp_path, pre):
     """Untied lm_head, grouped-query Q/K un-permutation, every tensor type, control / user-defined / mislabelled
-    tokens, add_bos_token: the two directories agree, and the tokenizers encode alike."""
-    path = tiny_llama_gguf(tmp_path / "tiny.gguf")
+    tokens, add_bos_token, each pre-tokenizer name the reader takes: the two directories agree, and the tokenizers
+    encode alike."""
+    path = tiny_llama_gguf(tmp_path / "tiny.gguf", pre=pre)
     assert unsupported(read_gguf(path)) is None
     fast, slow = both_ways(path, tmp_path)
     assert_same_directory(fast, slow)
@@ -241,6 +243,17 @@ def test_tiny_llama_agrees_with_transformers(tmp_path):
     for text in ("the cat in a hat x", " <think>the</think><|im_end|> <｜bad｜>", "é ü 🤖"):
         assert a(text)["input_ids"] == b(text)["input_ids"], text
     assert a("the")["input_ids"][0] == 0  # add_bos_token
+
+
+def test_plain_pre_tokenizers_are_none_transformers_splits():
+    """The names the reader takes are none of those transformers gives a split regex of their own (the table of the
+    transformers CI installs; the GPU machine's older one has none)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # lazy: only this test reads the table
+        GGUF_PRE_TOKENIZER_SPLITS,
+    )
+
+    assert "llama-bpe" in GGUF_PRE_TOKENIZER_SPLITS
+    assert not set(PLAIN_PRE_TOKENIZERS) & set(GGUF_PRE_TOKENIZER_SPLITS)
 
 
 @pytest.mark.parametrize(
