@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken
 
-GGUF_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (any version)
 VERSIONS = (2, 3)  # version 1 counted in u32 (and neither the gguf package nor transformers reads it)
 DEFAULT_ALIGNMENT = 32
 

@@ -22,11 +22,10 @@ from torch import nn
 
 from data.assets import CACHE_DIR, asset_path
 from data.chat import DataError
-from models.gguf_convert import GGUFFormatError, read_gguf, unsupported
+from models.gguf_convert import GGUF_MAGIC, GGUFFormatError, read_gguf, unsupported
 from models.gguf_convert import convert as convert_gguf
 
 DEFAULT_TARGET = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF
-GGUF_MAGIC = b"GGUF"  # the first 4 bytes of every GGUF file (any version)
 
 
 class TargetError(DataError):
