@@ -53,11 +53,9 @@ declare -A PROBE=([main]=train.py [main_noeval]=train.py [main_flexbuf]=train.py
 # compile forward and one backward instead of 7 + 7 at TTT 7; its log's [time] line beside main's)
 [[ " ${ONLY:-main full} " == *" main_flexbuf "* ]] && run main_flexbuf --strategy eagle3 --attention flex_buf
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
-# ONLY=full_compile: the same with --compile, which train.py still refuses with packed rows on a GPU (packing_blocker:
-# in 2026-12-01's probe the packed rows changed shape every step; a --batch-tokens step has one shape now);
-# NANOSPEC_TRY_PACK_COMPILE=1 lets it run, so its rate beside full's and its compiled-graph count say whether to lift it
-PROBE[full_compile]=${PROBE[full]/stacks_full/stacks_full_compile}
-[[ " ${ONLY:-main full} " == *" full_compile "* ]] && NANOSPEC_TRY_PACK_COMPILE=1 run full_compile --num-records 0 \
+# ONLY=full_compile: the same with --compile (refused with packed rows on a GPU until this run measured it on an
+# H100, 2026-12-05: experiments/results/defaults_h100_run2/)
+[[ " ${ONLY:-main full} " == *" full_compile "* ]] && run full_compile --num-records 0 \
   --steps 20000 --time-limit ${FULL_S:-150} --compile
 # ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
 # batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two.

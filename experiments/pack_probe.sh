@@ -11,7 +11,7 @@
 #   eager  --pack on, --attention eager (dense masks, no flex in the draft)
 #   hf     --pack on, flex, --backend hf (the transformers target instead of the compiled one)
 #   rows   --pack off --pad-to-max-len, flex (one conversation per row: worked all along)
-#   compile --pack on --compile (NANOSPEC_TRY_PACK_COMPILE=1 past train.packing_blocker)
+#   compile --pack on --compile
 set -uo pipefail
 WAIT=${WAIT:-150}
 DUMP=${DUMP:-40}
@@ -40,7 +40,7 @@ for r in "${RUNS[@]}"; do
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 5 > "$OUT/$r.smi" 2>&1 &
   smi=$!
   # -k: train.py takes the first SIGTERM as "stop after this step", which a stalled step never reaches
-  NANOSPEC_TRY_PACK_COMPILE=1 TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 10 "$WAIT" python3 -c '
+  TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 10 "$WAIT" python3 -c '
 import faulthandler, runpy, sys
 faulthandler.dump_traceback_later(int(sys.argv[1]), repeat=True)
 sys.argv = ["train.py"] + sys.argv[2:]

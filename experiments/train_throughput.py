@@ -71,7 +71,7 @@ class Args(MaxLenOption, NumRecordsOption, DataOption, TargetOption):
     harness: bool = True
     modes: tuple[str, ...] = ("pack", "compile")
     """train.py runs, one row each: pack = --pack on (eager draft step), compile = --compile --pack off (one
-    conversation per row, padded to --max-len), pack-compile = both (refused on a GPU today: packing_blocker),
+    conversation per row, padded to --max-len), pack-compile = both,
     tokens / tokens-compile = pack / pack-compile with --batch-tokens --harness-batch x --max-len (the harness's
     row count, rows filled first-fit: one shape, no rows of padding)"""
     extra: tuple[str, ...] = ()
@@ -187,15 +187,11 @@ def train_row(a: Args, target: str, mode: str, log: Path) -> dict:
         backend="auto" if a.smoke else "compiled",
         **MODES[mode],
     )
-    env = None
     if mode.startswith("tokens"):
         cfg = dataclasses.replace(cfg, batch_tokens=a.harness_batch * a.max_len)
-        # past packing_blocker's GPU guard (core/train_config.py): this run is the measurement
-        if mode == "tokens-compile":
-            env = {**os.environ, "NANOSPEC_TRY_PACK_COMPILE": "1"}
     cmd = [sys.executable, "train.py", *to_flags(cfg), *a.extra]
     t = time.time()
-    run(cmd, log, env)
+    run(cmd, log)
     return {
         "path": "train.py",
         "mode": mode,
