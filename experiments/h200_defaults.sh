@@ -16,7 +16,8 @@
 #    an H200's run). Its target is written without weights (tools/random_target.py --no-weights: 61 GB would fill
 #    the machine's disk) and drawn on the GPU when train.py loads it. Neither needs the staged model: carry
 #    [".device", ".whl", ".whl-spec/tokenizer"] and TOKENIZER=.whl-spec/tokenizer (tools/speculators_wheels.sh).
-# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "full_compile", "harness8b", "8b", "harness30b", "30b") runs
+# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "full_compile", "harness8b", "8b", "8b_compile", "harness30b",
+# "30b") runs
 # those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
 set -uo pipefail
@@ -68,13 +69,16 @@ harness() {  # name, preset, rows a step
   cut -c1-400 $OUT/$1.jsonl 2>/dev/null | tail -3
 }
 [[ " ${ONLY:-main full} " == *" harness8b "* ]] && harness harness8b llama-3.1-8b ${HARNESS_BATCH:-8}
-if [[ " ${ONLY:-main full} " == *" 8b "* ]]; then
+# ONLY=8b_compile: the same 8B run with --compile (1.34x the eager step for SmolLM2 on an H100, ~86 s more of
+# compiling: results/defaults_h100_run2/; whether to make it the default for long runs waits on this shape)
+for r8 in 8b 8b_compile; do
+  [[ " ${ONLY:-main full} " == *" $r8 "* ]] || continue
   R8B=/tmp/llama8b
   [[ -f $R8B/config.json ]] || python3 tools/random_target.py llama-3.1-8b $R8B --tokenizer $T > $OUT/random_target.log 2>&1
-  PROBE[8b]=train.py
-  TARGET=$R8B RUN_S=${RUN_S_8B:-420} run 8b --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
-    --draft-vocab-size 32000 --holdout 8 --gpu-memory ${GPU_GIB:-80}
-fi
+  PROBE[$r8]=train.py
+  TARGET=$R8B RUN_S=${RUN_S_8B:-420} run $r8 --num-records 4000 --max-len 4096 --steps 40 --log-every 5 \
+    --draft-vocab-size 32000 --holdout 8 --gpu-memory ${GPU_GIB:-80} $([[ $r8 == 8b_compile ]] && echo --compile)
+done
 [[ " ${ONLY:-main full} " == *" harness30b "* ]] && harness harness30b qwen3-30b-a3b ${HARNESS_BATCH_30B:-4}
 if [[ " ${ONLY:-main full} " == *" 30b "* ]]; then
   R30B=/tmp/qwen30b

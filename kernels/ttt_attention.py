@@ -351,7 +351,9 @@ def _flex_steps(q, k_all, v_all, Tp: int, k: int, lengths, compiled: bool, doc_i
 # its slice to the step's k (or v), the whole to the earlier writes.
 # Measured on the H200 with the views of the first (k+1) * Tp rows (2026-11-29, bench_kernels.py,
 # seq 4096, TTT 7, bf16): 1.37 GiB peak and 15.5 ms against the concatenating path's 0.83 GiB and
-# 15.0 ms, so it is not the default; the whole buffers are not measured on a GPU yet. Not yet
+# 15.0 ms, so it is not the default; with the whole buffers (H100, 2026-12-05, the main job's whole step:
+# experiments/results/defaults_h100_run2/) 1.0 GiB less than flex at the step's peak and one compile
+# instead of seven, but 6% slower a warm step, so still not the default. Not yet
 # explained: on CPU, with a stand-in for flex that saves its inputs and returns fresh gradients, the
 # buffers, write chain included, peak lower than the concatenation (62 vs 72 step-sized tensors at
 # TTT 7 with the views, 68 with the whole buffers; experiments/flex_buf_memory_cpu.py), so the excess

@@ -73,8 +73,9 @@ from models.proposer import Proposer, Tree
 # (GPU; no flex backward on CPU), K/V of all steps so far concatenated anew every step.
 # flex_buf: TTTFlexAttention, each step's K/V written once into shared buffers; meant to save the
 # concatenations' memory, but measured on the H200 it took more (1.37 vs 0.83 GiB at seq 4096,
-# TTT 7; BENCHMARKS.md), so it is an option to study, not the default. Every step's flex now takes
-# the whole buffers (one shape: one compile for the unroll, not one per step; not yet timed on a GPU).
+# TTT 7; BENCHMARKS.md). Every step's flex now takes the whole buffers (one shape: one compile for the
+# unroll, not one per step): on an H100 the main job ends 21 s sooner, but each warm step is 6% slower, so
+# flex stays the default (experiments/results/defaults_h100_run2/).
 # Each entry makes the attend(q, ks, vs) of one unroll of n steps (flex keeps state across its steps).
 ATTENTION = {
     "eager": lambda n: ttt_attention_eager,
