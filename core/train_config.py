@@ -132,6 +132,10 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so
     shapes repeat (with several ranks the FSDP2-wrapped draft is compiled: one graph, its hooks stay eager)"""
+    compile_after: int = 2000
+    """without --compile, a run of at least this many steps compiles the draft step anyway where that was
+    measured to pay (eagle3, --objective kl, a token budget, on one GPU: 1.34x the eager step, ~1.5 min more of
+    compiling, ahead after ~1,450 steps; BENCHMARKS.md); 0 = only with --compile"""
     tp: int = 1
     """tensor-parallel size of the compiled target: torchrun ranks [d*tp, (d+1)*tp) run it together on one batch
     (dp = world/tp data-parallel groups); the draft stays FSDP2 over all ranks"""
@@ -437,6 +441,22 @@ def auto_batch_tokens(cfg: TrainConfig, kind: str, pack: bool, gpu=None) -> int:
     if kind != "cuda" or not pack:
         return 0
     return gpu() if gpu is not None else cfg.batch_size * cfg.max_len
+
+
+def auto_compile(cfg: TrainConfig, kind: str, total_steps: int, world: int = 1) -> str | None:
+    """Why this run compiles its draft step without --compile (None: it does not). Only where it was measured
+    (experiments/results/defaults_h100_run2/: SmolLM2's defaults on an H100, 361,506 against 270,516 real
+    tokens/s, one compiled shape from the first step, 86 s more before it; the 8B shape's harness compiles the same
+    step: 1.08x train.py's eager one at less memory): eagle3 with --objective kl, no MoE, flex attention, a token
+    budget (one step shape), on one GPU (several ranks compile the FSDP2 draft: equal to one rank on the CPU,
+    tests/test_draft_step.py, but not yet timed on GPUs), for a run long enough to pay the compile back."""
+    if cfg.compile or not cfg.compile_after or total_steps < cfg.compile_after or kind != "cuda" or world > 1:
+        return None
+    if cfg.strategy != "eagle3" or cfg.objective != "kl" or cfg.moe_experts or not cfg.attention.startswith("flex"):
+        return None
+    if cfg.batch_tokens <= 0:  # --batch-size conversations: the row count varies, each count compiles anew
+        return None
+    return f"{total_steps} steps >= --compile-after {cfg.compile_after} (--compile-after 0: eager)"
 
 
 def packing_blocker(cfg: TrainConfig, family, kind: str, attn_impl: str | None) -> str | None:

@@ -29,7 +29,7 @@ from core.runlog import (
     process_seconds,
     run_metadata,
 )
-from core.train_config import ConfigError, TrainConfig, validate
+from core.train_config import ConfigError, TrainConfig, auto_compile, validate
 from core.vllm_features import vllm_target
 from data.prefetch import Prefetcher
 from data.vocab import count_tokens
@@ -131,6 +131,9 @@ class Trainer:
         data = load_data(cfg, self.tokenizer, self.pack, self.store, stored, self.print, self.bar)
         self.train_set, self.eval_set, self.batches = data.train_set, data.eval_set, data.batches
         self.row_len, self.data_stats, self.total_steps = data.row_len, data.stats, cfg.steps or data.batches.per_epoch
+        if why := auto_compile(cfg, kind, self.total_steps, self.world):
+            self.print(f"[draft] compiling the draft step: {why}")
+            self.cfg = cfg = dataclasses.replace(cfg, compile=True)
         self.tick("data")
         row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
         self.batcher = Batcher(

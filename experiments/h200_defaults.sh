@@ -16,7 +16,7 @@
 #    an H200's run). Its target is written without weights (tools/random_target.py --no-weights: 61 GB would fill
 #    the machine's disk) and drawn on the GPU when train.py loads it. Neither needs the staged model: carry
 #    [".device", ".whl", ".whl-spec/tokenizer"] and TOKENIZER=.whl-spec/tokenizer (tools/speculators_wheels.sh).
-# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "full_compile", "harness8b", "8b", "8b_compile", "harness30b",
+# ONLY="main" (or "main_noeval", "main_flexbuf", "full", "full_eager", "harness8b", "8b", "8b_compile", "harness30b",
 # "30b") runs
 # those named. The runs go one after the other with nothing else on the GPU (nvidia-smi every 5 s to smi.log); each one's log,
 # run.json and metrics.jsonl come back in $OUT.
@@ -53,11 +53,13 @@ declare -A PROBE=([main]=train.py [main_noeval]=train.py [main_flexbuf]=train.py
 # ONLY=main_flexbuf: the same cold job with --attention flex_buf (one flex shape for the whole TTT unroll: one
 # compile forward and one backward instead of 7 + 7 at TTT 7; its log's [time] line beside main's)
 [[ " ${ONLY:-main full} " == *" main_flexbuf "* ]] && run main_flexbuf --strategy eagle3 --attention flex_buf
+# full: 20,000 steps planned, past --compile-after (2,000), so the defaults compile the draft step (since 2026-12-06;
+# on 2026-12-05 that was ONLY=full_compile's --compile: results/defaults_h100_run2/); ONLY=full_eager: the same
+# run with --compile-after 0, the eager step, beside it
 [[ " ${ONLY:-main full} " == *" full "* ]] && run full --num-records 0 --steps 20000 --time-limit ${FULL_S:-150}
-# ONLY=full_compile: the same with --compile (refused with packed rows on a GPU until this run measured it on an
-# H100, 2026-12-05: experiments/results/defaults_h100_run2/)
-[[ " ${ONLY:-main full} " == *" full_compile "* ]] && run full_compile --num-records 0 \
-  --steps 20000 --time-limit ${FULL_S:-150} --compile
+PROBE[full_eager]=${PROBE[full]/stacks_full/stacks_full_eager}
+[[ " ${ONLY:-main full} " == *" full_eager "* ]] && run full_eager --num-records 0 \
+  --steps 20000 --time-limit ${FULL_S:-150} --compile-after 0
 # ONLY=harness8b: issue 32's harness on the same shape (experiments/throughput.py, compiled target, SpecForge's
 # batch of 8 rows of 4,096, no search), for the 8B row back to back with it: "harness8b 8b" in one call or two.
 # HARNESS_BATCH=4 on an 80 GiB GPU (8 rows need ~84 GiB; 2026-12-05 on an H100: results/defaults_h100/)

@@ -24,6 +24,7 @@ from core.train_config import (
     GPU_TOKENS_CAP,
     TrainConfig,
     auto_batch_tokens,
+    auto_compile,
     draft_state_bytes,
     gpu_batch_tokens,
     step_bytes_per_token,
@@ -234,6 +235,28 @@ def test_auto_batch_tokens():
     assert auto_batch_tokens(consumer, "cuda", True) == -1
     assert auto_batch_tokens(cfg, "cuda", True, lambda: 12 * 512) == 12 * 512  # train.py's sizing from memory
     assert auto_batch_tokens(cfg, "cpu", True, lambda: 12 * 512) == 0
+
+
+def test_auto_compile():
+    """Without --compile a long run compiles its draft step only where that was measured to pay: eagle3, kl, flex,
+    no MoE, a token budget, on one GPU, at least --compile-after steps; --compile-after 0 and the rest: eager."""
+    run = TrainConfig(strategy="eagle3", objective="kl", attention="flex", batch_tokens=65280)
+    assert "2000 steps >= --compile-after 2000" in auto_compile(run, "cuda", 2000)
+    assert auto_compile(dataclasses.replace(run, attention="flex_buf"), "cuda", 20000)
+    assert auto_compile(run, "cuda", 1999) is None  # the main job's 80 steps: eager, the compile would not pay
+    for other in (
+        dict(compile_after=0),
+        dict(compile=True),  # compiled already, nothing to say
+        dict(strategy="dflash"),
+        dict(objective="lk-alpha"),
+        dict(objective="jsd"),
+        dict(moe_experts=4),
+        dict(attention="eager"),
+        dict(batch_tokens=0),  # conversations a step: the row count varies
+    ):
+        assert auto_compile(dataclasses.replace(run, **other), "cuda", 20000) is None, other
+    assert auto_compile(run, "cpu", 20000) is None
+    assert auto_compile(run, "cuda", 20000, world=2) is None  # FSDP2's compiled draft: not yet timed on GPUs
 
 
 def test_gpu_batch_tokens():
