@@ -243,6 +243,10 @@ def windows(steps: list[tuple[float, float]], size: int, skip: int) -> list[floa
     return out
 
 
+# what torch 2.11's dynamo says when their fused loss kernel runs inside their compiled forward
+FUSED_LOSS_FAILURE = "is already tracked for mutation"
+
+
 def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]) -> dict:
     out = a.work / "spec_run"
     rows = out / "steps.jsonl"
@@ -258,10 +262,22 @@ def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]
     if a.smoke:  # fp32 (no autocast on a CPU), eager loss (theirs is Triton), sdpa
         flags += ["--hidden-states-dtype", "float32", "--loss-implementation", "eager", "--draft-attn-impl", "sdpa"]
     flags += [w for x in a.their_extra for w in x.split()]
-    cmd = [sys.executable, "-c", SPEC_WRAPPER, str(rows), *flags]
     t = time.time()
     log = a.work / "speculators.log"
-    run(cmd, log, env)
+    loss = "as given" if "--loss-implementation" in flags else "fused (their default)"
+    try:
+        run([sys.executable, "-c", SPEC_WRAPPER, str(rows), *flags], log, env)
+    except SystemExit:
+        # their default loss, a Triton kernel, failed under their torch.compile'd forward on torch 2.11 with a
+        # dynamo assertion (2026-12-02; 2026-12-05: results/speculators_anchor_h100/anchor_fused_loss_failed.log):
+        # once more with their eager loss, which the row says, instead of a call lost
+        if "--loss-implementation" in flags or FUSED_LOSS_FAILURE not in log.read_text(errors="replace"):
+            raise
+        log.replace(log.with_name("speculators_fused_failed.log"))
+        rows.unlink(missing_ok=True)
+        flags += ["--loss-implementation", "eager"]
+        loss = "eager (their fused loss failed under torch.compile: speculators_fused_failed.log)"
+        run([sys.executable, "-c", SPEC_WRAPPER, str(rows), *flags], log, env)
     steps = [json.loads(line) for line in rows.read_text().splitlines()]
     per = [(p["tokens_per_s"] * p["step_ms"] / 1000, p["step_ms"] / 1000) for p in (s["profile"] for s in steps)]
     rates = windows(per, a.log_every, a.skip_windows)
@@ -283,6 +299,7 @@ def their_row(a: Args, verifier: Path, data: Path, env: dict, aux_ids: list[int]
         "peak_gib": peak / 2**30 if peak else None,
         "steps": len(steps),
         "wall_s": time.time() - t,
+        "loss_implementation": loss,
         "command": " ".join(["python -m speculators.train", *flags]).replace(str(a.work), "WORK"),
     }
 

@@ -84,3 +84,34 @@ def test_windows():
     # windows of 2 steps: the first one (warm-up) left out, then (300 + 100) / 2 s each
     assert anchor.windows(steps, 2, 1) == [200.0, 200.0, 200.0]
     assert anchor.windows(steps[:3], 2, 0) == [100.0]  # an incomplete last window is dropped
+
+
+def test_their_fused_loss_failure_reruns_eager(tmp_path, monkeypatch):
+    """Their trainer failing with torch 2.11's dynamo assertion in their fused loss runs once more with
+    --loss-implementation eager, the row saying so and the failed log kept; any other failure stops the anchor."""
+    calls = []
+
+    def fake_run(cmd, log, env=None):
+        calls.append(cmd)
+        if "--loss-implementation" not in cmd:
+            log.write_text(f"AssertionError: ListVariable(length=21) {anchor.FUSED_LOSS_FAILURE}.\n")
+            raise SystemExit("failed")
+        Path(cmd[3]).write_text("".join('{"profile": {"tokens_per_s": 1000.0, "step_ms": 100.0}}\n' for _ in range(10)))
+        log.write_text('SPECULATORS_PEAK {"max_allocated_bytes": 1073741824}\n')
+
+    monkeypatch.setattr(anchor, "run", fake_run)
+    a = anchor.Args(work=tmp_path, log_every=2, skip_windows=1)
+    env = {"SPECULATORS_VERSION": "0.9.0"}
+    row = anchor.their_row(a, tmp_path / "v", tmp_path / "d", env, [2, 16, 29])
+    assert len(calls) == 2 and calls[1][-2:] == ["--loss-implementation", "eager"]
+    assert row["loss_implementation"].startswith("eager") and row["real_tokens_per_s"] == 1000.0
+    assert anchor.FUSED_LOSS_FAILURE in (tmp_path / "speculators_fused_failed.log").read_text()
+    assert "--loss-implementation eager" in row["command"] and row["peak_gib"] == 1.0
+
+    def other_failure(cmd, log, env=None):
+        log.write_text("CUDA out of memory\n")
+        raise SystemExit("failed")
+
+    monkeypatch.setattr(anchor, "run", other_failure)
+    with pytest.raises(SystemExit):
+        anchor.their_row(a, tmp_path / "v", tmp_path / "d", env, [2, 16, 29])
