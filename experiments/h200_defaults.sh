@@ -72,7 +72,8 @@ harness() {  # name, preset, rows a step
 }
 [[ " ${ONLY:-main full} " == *" harness8b "* ]] && harness harness8b llama-3.1-8b ${HARNESS_BATCH:-8}
 # ONLY=8b_compile: the same 8B run with --compile (1.34x the eager step for SmolLM2 on an H100, ~86 s more of
-# compiling: results/defaults_h100_run2/; whether to make it the default for long runs waits on this shape)
+# compiling: results/defaults_h100_run2/), which the defaults do for runs of --compile-after (2,000) steps or more:
+# whether that threshold suits this shape
 for r8 in 8b 8b_compile; do
   [[ " ${ONLY:-main full} " == *" $r8 "* ]] || continue
   R8B=/tmp/llama8b
