@@ -259,6 +259,26 @@ def test_auto_compile():
     assert auto_compile(run, "cuda", 20000, world=2) is None  # FSDP2's compiled draft: not yet timed on GPUs
 
 
+def test_auto_compile_is_applied_before_batching(tmp_path, tiny_run_inputs, monkeypatch, capsys):
+    """Trainer takes auto_compile's answer once the run's length is known and before the batcher is built: the
+    draft step compiled, batches padded as with --compile, the reason printed (auto_compile answers yes only on a
+    GPU: forced here)."""
+    import core.trainer as trainer_mod  # heavy (the whole training stack): this test builds a Trainer in-process
+
+    target, data = tiny_run_inputs
+    cfg = TrainConfig(
+        target=str(target), data=str(data), num_records=24, holdout=4, max_len=128, batch_tokens=256, pack="on",
+        ttt_length=2, device="cpu", out=str(tmp_path / "run"), progress=False, steps=3,
+    )  # fmt: skip
+    plain = trainer_mod.Trainer(cfg)
+    assert not plain.cfg.compile and plain.draft_step is plain.draft
+    monkeypatch.setattr(trainer_mod, "auto_compile", lambda c, kind, steps, world: f"{steps} steps (forced)")
+    tr = trainer_mod.Trainer(dataclasses.replace(cfg, out=str(tmp_path / "run2")))
+    assert tr.cfg.compile and tr.batcher.cfg.compile
+    assert isinstance(tr.draft_step, torch._dynamo.eval_frame.OptimizedModule)
+    assert "[draft] compiling the draft step: 3 steps (forced)" in capsys.readouterr().out
+
+
 def test_gpu_batch_tokens():
     """--batch-tokens -1 on a GPU is sized from its memory: the 8B shape at --max-len 4096 gets rows whose
     estimated peak fits GPU_MEMORY_SHARE of an 80 GiB GPU (the issue's 80 GiB goal) and of the H200, the
