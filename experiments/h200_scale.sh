@@ -20,7 +20,7 @@ set -uo pipefail
 (($#)) || { echo "usage: h200_scale.sh bench|gen|probe|train|families ..."; exit 2; }
 PHASES="$*"
 T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}  # TARGET: another model (a CPU dry run)
-W=/tmp/scale
+W=${SCALE_DIR:-/tmp/scale}  # SCALE_DIR: elsewhere (tests)
 LIMIT=${LIMIT:-560}
 mkdir -p $W/mix
 [[ -e $T ]] || { echo "no staged target at $T"; exit 1; }
@@ -64,6 +64,10 @@ case $PHASE in
     fi ;;
   gen)
     DEADLINE=$((SECONDS + ${GEN_S:-$LIMIT})); ((DEADLINE > LIMIT)) && DEADLINE=$LIMIT
+    # SLOTS: each process's slots (1,024 peaked at 86.7 GiB for the three on the H200: 768 on an 80 GiB H100, 2026-12-06);
+    # by default from the GPU's memory, so a plan made before the card is known needs no guess
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+    SLOTS=${SLOTS:-$( ((${mib:-0} > 100000)) && echo 1024 || echo 768)}
     jobs=()
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
       declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) for PROMPT_S s (a quarter of what is left)
@@ -75,7 +79,6 @@ case $PHASE in
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \
          --seed ${SEED:-13} --time-limit $((PS - 15)) --user-prefix "${P[@]}" > $OUT/prompts_$d.log 2>&1
        [[ -f $W/pn_$d.jsonl ]] && cat $W/pn_$d.jsonl >> $W/p_$d.jsonl
-       # SLOTS: each process's slots (1,024 peaked at 86.7 GiB for the three on the H200: 768 for an 80 GiB H100)
        # REPLIES: answer passes in order, "greedy" (a_$d.jsonl, the decoding the draft serves under) or
        # TEMPERATURE:SEED (sampled at top-p 0.95, a_${d}_tT_sS.jsonl: more replies per prompt); each resumable
        for r in ${REPLIES:-greedy}; do
@@ -83,7 +86,7 @@ case $PHASE in
          [[ $r == greedy ]] || { o=$W/mix/a_${d}_t${r%:*}_s${r#*:}.jsonl; s=(--temperature ${r%:*} --top-p 0.95 --seed ${r#*:}); }
          (($(left) > 90)) || break
          timeout -k 10 $(($(left) - 40)) python3 capture.py regenerate --target $T "${s[@]}" \
-           --data $W/p_$d.jsonl --out $o --engine slots --slots ${SLOTS:-1024} --max-new-tokens 512 \
+           --data $W/p_$d.jsonl --out $o --engine slots --slots $SLOTS --max-new-tokens 512 \
            --max-prompt-len 512 --time-limit $(($(left) - 60)) >> $OUT/answers_$d.log 2>&1
        done) &
       jobs+=($!)
@@ -124,10 +127,15 @@ case $PHASE in
     # RUNS: name:data dir:draft vocabulary:steps[:flags,comma,separated]; 2026-12-03 ran a:mix_data:8192:2800 and b:mix_data:32768:2800
     # (b reached step 1,600), then a:mix_data:8192:5600 alone (two calls, ~9.8 steps/s alone; two runs share the GPU
     # at ~6 each, three at ~3.9). 2026-12-04: the default below, warm-up 200 (the shipped draft since then,
-    # results/scale_h200/warmup200_5600). Next: its seed spread, then d:mix_data:16384:5600:--warmup,200 against it
+    # results/scale_h200/warmup200_5600). Next: its seed spread, then d:mix_data:16384:5600:--warmup,200 against it.
+    # --batch-size 32 below counts only under --batch-tokens 0 (the shipped draft's recipe: 32 unpacked conversations,
+    # ~8.2k real tokens a step): since issue 32 train.py's default is a token budget sized from the GPU, 65,536 tokens
+    # a step on 80 GiB (~60k real), 701 steps an epoch of the 93k-record mix (2026-12-06, results/scale_h100/run_g_1894)
     jobs=()
-    for v in ${RUNS:-c:mix_data:8192:5600:--warmup,200}; do
+    for v in ${RUNS:-c:mix_data:8192:5600:--warmup,200,--batch-tokens,0}; do
       IFS=: read -r name dir vocab steps extra <<< "$v"; R=$W/run_$name  # extra: this run's flags, comma-separated
+      # a run finished and evaluated by an earlier call (its τ came back then): nothing left to do
+      [[ -n ${RESUME:-} && -f $R/evaluated ]] && { echo "run $name: finished and evaluated in an earlier call"; continue; }
       MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
       # 2026-12-02 the mix stalled in its first evaluation (batch 8, before the first step); 2026-12-03 with the
       # evaluation at the training batch and none before the first step it did not (evaluations ~1 s)
@@ -141,7 +149,7 @@ case $PHASE in
        echo "train $name exit $?" >> $OUT/train_$name.log
        grep -q '"status": "finished"' $R/run.json && python3 export.py $R > $OUT/export_$name.log 2>&1 &&
          timeout $(($(left) - 10)) python3 evaluate.py $R/export-vllm --target $T $EVAL --out $OUT/eval_$name.jsonl \
-           > $OUT/eval_$name.log 2>&1
+           > $OUT/eval_$name.log 2>&1 && touch $R/evaluated
        cp $R/run.json $OUT/run_$name.json; cp $R/metrics.jsonl $OUT/metrics_$name.jsonl
        [[ -d $R/export-vllm ]] && (cd $R && tar czf $OUT/draft_$name.tgz export-vllm) && parts $OUT/draft_$name.tgz) &
       jobs+=($!)

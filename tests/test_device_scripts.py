@@ -71,3 +71,46 @@ def test_anchor_call_unzips_the_tokenizer(tmp_path):
         f"experiments/speculators_anchor.py --tokenizer {tok} --out {out}/speculators_anchor_h200.jsonl --steps 3"
         in log
     )
+
+
+def test_scale_train_recipes_and_resume_skips_evaluated_runs(tmp_path):
+    """h200_scale.sh train: the default run is the shipped draft's recipe (32 unpacked conversations a step, not
+    train.py's token budget); RUNS' own flags reach train.py; with RESUME=1 a run already evaluated is skipped."""
+    target = tmp_path / "target.gguf"
+    target.write_text("")
+    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="200")
+    run = lambda: subprocess.run(  # noqa: E731
+        ["bash", "experiments/h200_scale.sh", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    p = run()
+    assert p.returncode == 0, p.stdout + p.stderr
+    with tarfile.open(tmp_path / "out/train_out.tgz") as t:
+        log = t.extractfile("./train_c.log").read().decode()
+    assert "--steps 5600 --lr 3e-3 --warmup 200 --batch-tokens 0" in log and "--overwrite" in log, log
+    (tmp_path / "out/train_out.tgz").unlink()
+    env |= {"RUNS": "g:mix_data:8192:2000:--warmup,200 c:mix_data:8192:5600", "RESUME": "1"}
+    (tmp_path / "scale/run_c").mkdir(parents=True)
+    (tmp_path / "scale/run_c/evaluated").touch()
+    p = run()
+    assert p.returncode == 0 and "run c: finished and evaluated in an earlier call" in p.stdout, p.stdout + p.stderr
+    with tarfile.open(tmp_path / "out/train_out.tgz") as t:
+        names = {Path(m.name).name for m in t.getmembers()}
+        log = t.extractfile("./train_g.log").read().decode()
+    assert "train_c.log" not in names and "--steps 2000 --lr 3e-3 --warmup 200 --eval-every" in log, log
+
+
+@pytest.mark.parametrize("mib,slots", [("81559", 768), ("143771", 1024)])
+def test_scale_gen_sizes_slots_from_the_gpu(tmp_path, mib, slots):
+    """h200_scale.sh gen: each generator's slots from the card's memory (768 on an 80 GiB H100, 1,024 on the
+    H200), so the calls can be planned before the card is known."""
+    target = tmp_path / "target.gguf"
+    target.write_text("")
+    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="200", GEN_S="150")
+    (tmp_path / "bin/nvidia-smi").write_text(f"#!/bin/bash\necho {mib}\n")
+    p = subprocess.run(
+        ["bash", "experiments/h200_scale.sh", "gen"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    with tarfile.open(tmp_path / "out/gen_out.tgz") as t:
+        log = t.extractfile("./answers_code.log").read().decode()
+    assert f"capture.py regenerate --target {target}" in log and f"--slots {slots} " in log, log

@@ -6,6 +6,7 @@ compiled step follows the HF-backend run, and the compiled step on two ranks (FS
 import pytest
 import torch
 
+from core.trainer import torch_older_than
 from data.prefetch import Prefetcher
 from models.eagle3 import local_counts, select_rows
 from tests.test_eagle3_ttt import setup
@@ -74,6 +75,8 @@ def test_divergences_host_rows_and_compiled(objective):
     eager = loss_and_grads(draft, batch, ttt, "lse", "torch", objective=objective)
     assert_same(loss_and_grads(draft, batch, ttt, "lse", "torch", rows, objective=objective), eager)
     if objective == "jsd":
+        if torch_older_than(2, 13):  # the H100 machines' torch 2.11: experiments/results/cuda_tests_h100_run3.txt
+            pytest.xfail("torch 2.11's inductor compiles the jsd step with wrong gradients (train.py refuses it)")
         assert_same(loss_and_grads(draft, batch, ttt, "lse", "torch", rows, torch.compile(draft), objective), eager)
 
 
