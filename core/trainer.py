@@ -238,7 +238,8 @@ class Trainer:
         elif self.dtype != torch.float32:
             draft.to(self.dtype)
         self.draft = draft
-        # the training step compiled as a unit; the Triton CE stays eager (kernels/ce.py), evaluation eager.
+        # the training step compiled as a unit (the TTT unroll one graph: tests/test_draft_step.py); the Triton
+        # CE stays eager after it (kernels/ce.py), evaluation eager.
         # Several ranks: the FSDP2 module is compiled; dynamo skips FSDP's unshard/reshard hooks (they run
         # eagerly around the one graph, no break), so the gathered parameters are plain inputs to it
         self.draft_step = torch.compile(draft, dynamic=None) if cfg.compile else draft

@@ -141,12 +141,20 @@ case $PHASE in
       # evaluation at the training batch and none before the first step it did not (evaluations ~1 s)
       # --time-limit stops it TAIL_S (45) s before the phase's end, the timeout TAIL_S - 12 s later (checkpoint, exit)
       # (2026-12-05: with 15 s the process was still exiting, exit 124 after its checkpoint line)
-      (TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 10 $(($(left) - 12)) python3 train.py --target $T \
-         --data $W/$dir --num-records 0 --holdout ${HOLDOUT:-256} --no-eval-at-start --eval-batch-size 32 \
-         --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} ${extra//,/ } \
-         --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size $vocab --out $R $MODE \
-         --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
-       echo "train $name exit $?" >> $OUT/train_$name.log
+      (COMPILE=--compile; [[ -f $R/eager ]] && COMPILE="--compile-after 0"
+       for attempt in 1 2; do
+         TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout -k 10 $(($(left) - 12)) python3 train.py --target $T \
+           --data $W/$dir --num-records 0 --holdout ${HOLDOUT:-256} --no-eval-at-start --eval-batch-size 32 \
+           --max-len 1024 --pad-to-max-len $COMPILE --batch-size 32 --steps $steps --lr 3e-3 ${TRAIN_ARGS:-} \
+           ${extra//,/ } --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --draft-vocab-size $vocab \
+           --out $R $MODE --time-limit $(($(left) - ${TAIL_S:-45})) >> $OUT/train_$name.log 2>&1
+         rc=$?; echo "train $name exit $rc" >> $OUT/train_$name.log
+         # a compiled run that fails (exit 1) goes on eagerly, here and in later calls ($R/eager): a compile path
+         # not yet run on a GPU must not cost a scarce session its run (the unroll as one graph, 2026-12-06)
+         [[ $rc == 1 && $COMPILE == --compile ]] && (($(left) > 150)) || break
+         echo "train $name: the compiled run failed; again without --compile" | tee -a $OUT/train_$name.log
+         mkdir -p $R; touch $R/eager; COMPILE="--compile-after 0"; [[ -f $R/ckpt/latest ]] && MODE=--resume
+       done
        grep -q '"status": "finished"' $R/run.json && python3 export.py $R > $OUT/export_$name.log 2>&1 &&
          timeout $(($(left) - 10)) python3 evaluate.py $R/export-vllm --target $T $EVAL --out $OUT/eval_$name.jsonl \
            > $OUT/eval_$name.log 2>&1 && touch $R/evaluated

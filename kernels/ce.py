@@ -226,39 +226,43 @@ def _ce_backward_torch_(z, target, w, lse, psum, grad_out, hard):
 # ------------------------------------------------------------------ autograd wrapper
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, mask, hard: bool):
+    def forward(ctx, logits, target, mask, hard: bool, t_rows=None):
         z = logits if logits.stride(-1) == 1 else logits.contiguous()
         if not hard and target.stride(-1) != 1:
             target = target.contiguous()
         w = mask.to(torch.float32).contiguous()
-        loss_rows, lse, psum, argmax = ce_forward(z, target, w, hard)
+        loss_rows, lse, psum, argmax = ce_forward(z, target, w, hard, t_rows)
         ctx.hard = hard
-        ctx.save_for_backward(z, target, w, lse, psum)
-        ctx.mark_non_differentiable(argmax)
-        return loss_rows.sum(), argmax
+        ctx.save_for_backward(z, target, w, lse, psum, t_rows)
+        ctx.mark_non_differentiable(argmax, loss_rows)
+        return loss_rows.sum(), argmax, loss_rows
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_argmax):
-        z, target, w, lse, psum = ctx.saved_tensors
-        return ce_backward_(z, target, w, lse, psum, grad_loss, ctx.hard), None, None, None
+    def backward(ctx, grad_loss, _grad_argmax, _grad_rows):
+        z, target, w, lse, psum, t_rows = ctx.saved_tensors
+        return ce_backward_(z, target, w, lse, psum, grad_loss, ctx.hard, t_rows), None, None, None, None
 
 
 # Kept out of torch.compile graphs: traced by inductor (torch 2.11, H200) the functionalised
 # in-place backward returned wrong gradients for ~0.2% of elements, while the same kernels run
 # eagerly are exact. A compiled step therefore breaks its graph here and calls the kernels
-# eagerly (they are one launch each way, so little is lost).
+# eagerly (they are one launch each way, so little is lost). Call it outside loops: a graph break
+# inside a loop makes dynamo skip the whole frame (models/eagle3.py calls it once after its unroll).
 @torch.compiler.disable
-def soft_cross_entropy(logits, target_p, mask, return_argmax: bool = False):
-    """Σ_n mask_n · (-Σ_v p_nv log_softmax(z_n)_v) as an fp32 scalar; with return_argmax also
-    the per-row argmax of the logits ([N] int64, -1 on masked rows).
+def soft_cross_entropy(logits, target_p, mask, return_argmax: bool = False, return_rows: bool = False, t_rows=None):
+    """Σ_n mask_n · (-Σ_v p_nv log_softmax(z_n)_v) as an fp32 scalar (mask: bool or fp32 weights); with
+    return_argmax also the per-row argmax of the logits ([N] int64, -1 on masked rows), with return_rows
+    also the per-row terms ([N] fp32, no gradient: for logging). t_rows [N] int64 (optional): row n is
+    scored against target_p[t_rows[n]] ([M, V], read in place on the GPU: no gathered copy of p).
     Backward overwrites `logits` with its gradient (see the module docstring)."""
-    loss, argmax = _CrossEntropy.apply(logits, target_p, mask, False)
-    return (loss, argmax) if return_argmax else loss
+    loss, argmax, rows = _CrossEntropy.apply(logits, target_p, mask, False, t_rows)
+    out = (loss,) + ((argmax,) if return_argmax else ()) + ((rows,) if return_rows else ())
+    return out if len(out) > 1 else loss
 
 
 @torch.compiler.disable
 def hard_cross_entropy(logits, labels, mask, return_argmax: bool = False):
     """Σ_n mask_n · (-log_softmax(z_n)[label_n]); labels < 0 count as masked. Same contract
     as soft_cross_entropy (in-place backward, optional argmax)."""
-    loss, argmax = _CrossEntropy.apply(logits, labels, mask, True)
+    loss, argmax, _ = _CrossEntropy.apply(logits, labels, mask, True)
     return (loss, argmax) if return_argmax else loss

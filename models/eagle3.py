@@ -246,6 +246,12 @@ class Eagle3Draft(nn.Module):
         hidden = self.project(batch.aux_hidden)
         ks, vs, total = [], [], 0.0
         loss_sums, correct = [], []
+        # kl on host-chosen rows (the fast path): every step's head and loss in one call after the unroll. The
+        # Triton CE is kept out of compiled graphs (kernels/ce.py), and a graph break inside this loop made
+        # dynamo skip the whole forward and compile its pieces (each step's attention a graph of its own);
+        # outside the loop the unroll compiles as one graph, the CE one launch each way for all steps
+        deferred = objective == "kl" and rows is not None and loss in ("torch", "triton")
+        heads = []  # deferred: per step (h [R, H], the target rows src [R], weight [R], valid [R], top [R])
         for k in range(ttt_length):
             emb = _shift(batch.embeds, 1 + k).to(hidden.dtype)
             q, kk, vv = self.qkv(emb, hidden, positions + k)
@@ -262,9 +268,12 @@ class Eagle3Draft(nn.Module):
                 valid = rows[k] >= 0  # -1 = padding to a fixed size
                 sel = rows[k].clamp(min=0)
                 src = torch.where(valid, sel + 1 + k, 0)
-                p, top = batch.target_p.reshape(B * T, -1)[src], batch.target_top.reshape(-1)[src]
+                top = batch.target_top.reshape(-1)[src]
+                p = None if deferred else batch.target_p.reshape(B * T, -1)[src]
                 weight = valid & self.t2d[top]
-            if objective == "kl" or objective in DIVERGENCES:
+            if deferred:
+                heads.append((out.reshape(B * T, -1)[sel], src, weight, valid, top))
+            elif objective == "kl" or objective in DIVERGENCES:
                 h = out.reshape(B * T, -1)[sel]
                 if objective == "kl":
                     loss_sum, top_draft = self.head_loss(h, p, weight, loss)
@@ -279,12 +288,31 @@ class Eagle3Draft(nn.Module):
             if self.config.moe_experts:  # load balance, averaged over steps; a share per rank like the rest
                 total = total + self.config.moe_aux_coef * self.midlayer.mlp.aux_loss / (ttt_length * _world())
             hidden = self.carry(out)
+            if deferred:
+                continue
             loss_sums.append(loss_sum.detach())
             # rows the loss skips (target top token outside the draft vocab) report argmax -1
             # from the kernels; the draft cannot be right there anyway
             hit = (top_draft >= 0) & (draft_ids[top_draft.clamp(min=0)] == top)
             correct.append((hit if valid is None else hit & valid).sum())
+        if deferred:
+            return self._deferred_kl(heads, batch, counts, loss, total)
         return total, {"loss_sum": torch.stack(loss_sums), "correct": torch.stack(correct)}
+
+    def _deferred_kl(self, heads, batch: "Eagle3Batch", counts, impl: str, total):
+        """The kl head of every TTT step at once (forward's `deferred`): step k's rows weighted 0.8^k / n_k
+        (n_k its global loss-row count), so one weighted sum is the whole loss. heads: per step (h [R, H],
+        target rows src [R], weight [R] bool, valid [R] bool, target top [R]); total: what the steps added
+        (the MoE balance term). Returns forward's (loss, {loss_sum [K], correct [K]})."""
+        K, R = len(heads), heads[0][0].shape[0]
+        h, src, weight, valid, top = (torch.cat(x) for x in zip(*heads))  # [K R, ...]
+        scale = (0.8 ** torch.arange(K, device=h.device)) / counts[:K, 1].clamp(min=1)  # [K] fp32
+        w = weight.float() * scale.repeat_interleave(R)  # [K R]
+        target_p = batch.target_p.reshape(-1, batch.target_p.shape[-1])  # [B T, Vd]
+        loss_k, top_draft, rows_k = self.head_loss_rows(h, target_p, w, src, impl)
+        hit = (top_draft >= 0) & (self.draft_ids[top_draft.clamp(min=0)] == top) & valid
+        loss_sum = rows_k.detach().reshape(K, R).sum(1) / scale  # Σ weight · CE per step, for logging
+        return total + loss_k, {"loss_sum": loss_sum, "correct": hit.reshape(K, R).sum(1)}
 
     def head_loss(self, hidden_NH, p_NV, mask_N, impl: str):
         """Σ mask · H(p, softmax(lm_head(norm(h)))) and the draft's argmax per row."""
@@ -297,6 +325,17 @@ class Eagle3Draft(nn.Module):
         logits = logits.float()
         ce = -(p_NV * logits.log_softmax(-1)).sum(-1)
         return (ce * mask_N).sum(), logits.argmax(-1)
+
+    def head_loss_rows(self, hidden_NH, p_MV, w_N, t_rows, impl: str):
+        """head_loss of rows whose targets are rows of p: row n's is p_MV[t_rows[n]] (read in place by the
+        Triton CE, no gathered copy; gathered on the torch path), w_N fp32 weights. Returns (Σ w · CE, the
+        draft's argmax per row, the per-row terms w · CE without gradient, for logging)."""
+        logits = self.lm_head(self.norm(hidden_NH))
+        if impl == "triton":
+            return soft_cross_entropy(logits, p_MV, w_N, return_argmax=True, return_rows=True, t_rows=t_rows)
+        logits = logits.float()
+        ce = -(p_MV[t_rows] * logits.log_softmax(-1)).sum(-1) * w_N
+        return ce.sum(), logits.argmax(-1), ce.detach()
 
     def divergence_loss(self, hidden_NH, p_NV, mask_N, objective: str):
         """Σ mask · D(p, q) of one TTT step (tv / rkl / jsd, module docstring) and the draft's argmax

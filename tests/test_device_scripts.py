@@ -114,3 +114,35 @@ def test_scale_gen_sizes_slots_from_the_gpu(tmp_path, mib, slots):
     with tarfile.open(tmp_path / "out/gen_out.tgz") as t:
         log = t.extractfile("./answers_code.log").read().decode()
     assert f"capture.py regenerate --target {target}" in log and f"--slots {slots} " in log, log
+
+
+def test_scale_train_goes_on_eagerly_when_the_compiled_run_fails(tmp_path):
+    """h200_scale.sh train: a run whose compiled step fails (exit 1) is run again without --compile in the same
+    call, and later calls keep it eager; a run that fails eagerly is not retried."""
+    target = tmp_path / "target.gguf"
+    target.write_text("")
+    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="400")
+    env["RUNS"] = "g:mix_data:8192:2000:--warmup,200"
+    # python3: train.py with --compile fails, everything else echoes its command line
+    (tmp_path / "bin/python3").write_text(
+        '#!/bin/bash\necho "python3 $*"\n[[ "$*" == *train.py* && " $* " == *" --compile "* ]] && exit 1\nexit 0\n'
+    )
+    run = lambda: subprocess.run(  # noqa: E731
+        ["bash", "experiments/h200_scale.sh", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+    def train_log():
+        with tarfile.open(tmp_path / "out/train_out.tgz") as t:
+            log = t.extractfile("./train_g.log").read().decode()
+        (tmp_path / "out/train_out.tgz").unlink()
+        return log
+
+    p = run()
+    assert p.returncode == 0 and "the compiled run failed; again without --compile" in p.stdout, p.stdout + p.stderr
+    calls = [line for line in train_log().splitlines() if line.startswith("python3 train.py")]
+    assert len(calls) == 2 and " --compile " in calls[0] and "--compile-after 0" in calls[1], calls
+    assert (tmp_path / "scale/run_g/eager").exists()
+    env["RESUME"] = "1"  # a later call: eager from the start, once
+    run()
+    calls = [line for line in train_log().splitlines() if line.startswith("python3 train.py")]
+    assert len(calls) == 1 and "--compile-after 0" in calls[0] and " --compile " not in calls[0], calls

@@ -62,6 +62,28 @@ def test_compiled_step_equals_eager():
     )
 
 
+@pytest.mark.parametrize("attention", ["lse", "flex"])
+def test_compiled_unroll_is_one_graph_with_the_triton_loss(attention):
+    """The Triton CE stays out of compiled graphs (kernels/ce.py). Called once after the TTT unroll it splits the
+    forward in two; called inside the loop (before 2026-12-06) it made dynamo skip the whole forward and compile
+    its pieces, each step's attention a graph of its own (17 graphs at TTT 7 on the H100:
+    experiments/results/scale_h100/run_g_1894). Dynamo alone (backend eager): the graphs, not their code."""
+    from torch._dynamo.utils import counters  # dynamo's own bookkeeping, read by this test only
+
+    graphs = {}
+    for ttt in (2, 4):
+        torch._dynamo.reset()
+        counters.clear()
+        draft, batch, _, _ = setup(seed=3)
+        rows = select_rows(batch.loss_mask, ttt, multiple=8)
+        with torch.set_grad_enabled(attention == "lse"):  # flex: forward only on CPU
+            torch.compile(draft, backend="eager")(
+                batch, ttt, local_counts(batch, draft.t2d, ttt), attention, "triton", rows=rows
+            )
+        graphs[ttt] = counters["stats"]["unique_graphs"]
+    assert graphs[2] == graphs[4] <= 4, graphs
+
+
 @pytest.mark.parametrize("objective", ["tv", "rkl", "jsd"])
 def test_divergences_host_rows_and_compiled(objective):
     """The divergence objectives on the fast path: host-chosen rows (with padding rows) and, for jsd

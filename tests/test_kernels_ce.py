@@ -199,3 +199,23 @@ def test_target_rows_indirection(ce, impl, hard):
     ce.ce_backward_(gz, target, w, got[1], got[2], torch.tensor(0.7), hard, t_rows=rows)
     ce.ce_backward_(wz, target[rows].contiguous(), w, want[1], want[2], torch.tensor(0.7), hard)
     torch.testing.assert_close(gz, wz)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_ce_weights_rows_and_target_rows(ce, impl, dtype):
+    """The draft's deferred head (models/eagle3.py): fp32 weights, the per-row terms for logging and targets
+    read through t_rows from a larger fp32 p, against the reference on the gathered copy."""
+    logits, p, _ = _data(45, 300, dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    big_p = torch.cat([p.float(), torch.softmax(torch.randn(20, 300, generator=g), -1)])  # [65, V] fp32
+    rows = torch.randperm(65, generator=g)[:45]
+    w = torch.rand(45, generator=g) * (torch.rand(45, generator=g) > 0.3)  # weights, some rows off
+    leaf, ref_leaf = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss, argmax, per_row = ce.soft_cross_entropy(leaf * 1, big_p, w, return_argmax=True, return_rows=True, t_rows=rows)
+    assert not per_row.requires_grad and per_row.shape == (45,)
+    loss.backward(torch.tensor(0.7))
+    want = ref_soft(ref_leaf, big_p[rows], w)
+    want.backward(torch.tensor(0.7))
+    _check(loss, leaf.grad, want, ref_leaf.grad, dtype)
+    torch.testing.assert_close(per_row.sum(), loss.detach())
+    assert (per_row[w == 0] == 0).all() and (argmax[w == 0] == -1).all()
