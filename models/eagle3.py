@@ -316,25 +316,24 @@ class Eagle3Draft(nn.Module):
 
     def head_loss(self, hidden_NH, p_NV, mask_N, impl: str):
         """Σ mask · H(p, softmax(lm_head(norm(h)))) and the draft's argmax per row."""
-        h = self.norm(hidden_NH)
         if impl == "fused":
+            h = self.norm(hidden_NH)
             return fused_linear_soft_ce(h, self.lm_head.weight, p_NV.to(h.dtype), mask_N)
-        logits = self.lm_head(h)
-        if impl == "triton":
-            return soft_cross_entropy(logits, p_NV.to(logits.dtype), mask_N, return_argmax=True)
-        logits = logits.float()
-        ce = -(p_NV * logits.log_softmax(-1)).sum(-1)
-        return (ce * mask_N).sum(), logits.argmax(-1)
+        loss_sum, top, _ = self.head_loss_rows(hidden_NH, p_NV, mask_N, None, impl)
+        return loss_sum, top
 
     def head_loss_rows(self, hidden_NH, p_MV, w_N, t_rows, impl: str):
-        """head_loss of rows whose targets are rows of p: row n's is p_MV[t_rows[n]] (read in place by the
-        Triton CE, no gathered copy; gathered on the torch path), w_N fp32 weights. Returns (Σ w · CE, the
-        draft's argmax per row, the per-row terms w · CE without gradient, for logging)."""
+        """head_loss (torch or triton) with the per-row terms: w_N weights (bool or fp32); row n's target is
+        p_MV[n], or with t_rows p_MV[t_rows[n]] (read in place by the Triton CE, no gathered copy; gathered on
+        the torch path). Returns (Σ w · CE, the draft's argmax per row, the per-row terms w · CE without
+        gradient, for logging)."""
         logits = self.lm_head(self.norm(hidden_NH))
         if impl == "triton":
+            if t_rows is None:  # a p of these rows alone, saved for the backward: at the logits' width
+                p_MV = p_MV.to(logits.dtype)
             return soft_cross_entropy(logits, p_MV, w_N, return_argmax=True, return_rows=True, t_rows=t_rows)
         logits = logits.float()
-        ce = -(p_MV[t_rows] * logits.log_softmax(-1)).sum(-1) * w_N
+        ce = -((p_MV if t_rows is None else p_MV[t_rows]) * logits.log_softmax(-1)).sum(-1) * w_N
         return ce.sum(), logits.argmax(-1), ce.detach()
 
     def divergence_loss(self, hidden_NH, p_NV, mask_N, objective: str):

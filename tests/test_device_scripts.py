@@ -73,16 +73,24 @@ def test_anchor_call_unzips_the_tokenizer(tmp_path):
     )
 
 
+def scale_env(tmp_path: Path, **extra) -> dict:
+    """stubbed_env for experiments/h200_scale.sh: an empty stand-in target and its work directory under tmp_path."""
+    target = tmp_path / "target.gguf"
+    target.write_text("")
+    return stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), **extra)
+
+
+def run_scale(env: dict, phase: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "experiments/h200_scale.sh", phase], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
 def test_scale_train_recipes_and_resume_skips_evaluated_runs(tmp_path):
     """h200_scale.sh train: the default run is the shipped draft's recipe (32 unpacked conversations a step, not
     train.py's token budget); RUNS' own flags reach train.py; with RESUME=1 a run already evaluated is skipped."""
-    target = tmp_path / "target.gguf"
-    target.write_text("")
-    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="200")
-    run = lambda: subprocess.run(  # noqa: E731
-        ["bash", "experiments/h200_scale.sh", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
-    p = run()
+    env = scale_env(tmp_path, LIMIT="200")
+    p = run_scale(env, "train")
     assert p.returncode == 0, p.stdout + p.stderr
     with tarfile.open(tmp_path / "out/train_out.tgz") as t:
         log = t.extractfile("./train_c.log").read().decode()
@@ -91,7 +99,7 @@ def test_scale_train_recipes_and_resume_skips_evaluated_runs(tmp_path):
     env |= {"RUNS": "g:mix_data:8192:2000:--warmup,200 c:mix_data:8192:5600", "RESUME": "1"}
     (tmp_path / "scale/run_c").mkdir(parents=True)
     (tmp_path / "scale/run_c/evaluated").touch()
-    p = run()
+    p = run_scale(env, "train")
     assert p.returncode == 0 and "run c: finished and evaluated in an earlier call" in p.stdout, p.stdout + p.stderr
     with tarfile.open(tmp_path / "out/train_out.tgz") as t:
         names = {Path(m.name).name for m in t.getmembers()}
@@ -103,32 +111,22 @@ def test_scale_train_recipes_and_resume_skips_evaluated_runs(tmp_path):
 def test_scale_gen_sizes_slots_from_the_gpu(tmp_path, mib, slots):
     """h200_scale.sh gen: each generator's slots from the card's memory (768 on an 80 GiB H100, 1,024 on the
     H200), so the calls can be planned before the card is known."""
-    target = tmp_path / "target.gguf"
-    target.write_text("")
-    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="200", GEN_S="150")
+    env = scale_env(tmp_path, LIMIT="200", GEN_S="150")
     (tmp_path / "bin/nvidia-smi").write_text(f"#!/bin/bash\necho {mib}\n")
-    p = subprocess.run(
-        ["bash", "experiments/h200_scale.sh", "gen"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
+    p = run_scale(env, "gen")
     assert p.returncode == 0, p.stdout + p.stderr
     with tarfile.open(tmp_path / "out/gen_out.tgz") as t:
         log = t.extractfile("./answers_code.log").read().decode()
-    assert f"capture.py regenerate --target {target}" in log and f"--slots {slots} " in log, log
+    assert f"capture.py regenerate --target {tmp_path / 'target.gguf'}" in log and f"--slots {slots} " in log, log
 
 
 def test_scale_train_goes_on_eagerly_when_the_compiled_run_fails(tmp_path):
     """h200_scale.sh train: a run whose compiled step fails (exit 1) is run again without --compile in the same
     call, and later calls keep it eager; a run that fails eagerly is not retried."""
-    target = tmp_path / "target.gguf"
-    target.write_text("")
-    env = stubbed_env(tmp_path, TARGET=str(target), SCALE_DIR=str(tmp_path / "scale"), LIMIT="400")
-    env["RUNS"] = "g:mix_data:8192:2000:--warmup,200"
+    env = scale_env(tmp_path, LIMIT="400", RUNS="g:mix_data:8192:2000:--warmup,200")
     # python3: train.py with --compile fails, everything else echoes its command line
     (tmp_path / "bin/python3").write_text(
         '#!/bin/bash\necho "python3 $*"\n[[ "$*" == *train.py* && " $* " == *" --compile "* ]] && exit 1\nexit 0\n'
-    )
-    run = lambda: subprocess.run(  # noqa: E731
-        ["bash", "experiments/h200_scale.sh", "train"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
 
     def train_log():
@@ -137,12 +135,12 @@ def test_scale_train_goes_on_eagerly_when_the_compiled_run_fails(tmp_path):
         (tmp_path / "out/train_out.tgz").unlink()
         return log
 
-    p = run()
+    p = run_scale(env, "train")
     assert p.returncode == 0 and "the compiled run failed; again without --compile" in p.stdout, p.stdout + p.stderr
     calls = [line for line in train_log().splitlines() if line.startswith("python3 train.py")]
     assert len(calls) == 2 and " --compile " in calls[0] and "--compile-after 0" in calls[1], calls
     assert (tmp_path / "scale/run_g/eager").exists()
     env["RESUME"] = "1"  # a later call: eager from the start, once
-    run()
+    run_scale(env, "train")
     calls = [line for line in train_log().splitlines() if line.startswith("python3 train.py")]
     assert len(calls) == 1 and "--compile-after 0" in calls[0] and " --compile " not in calls[0], calls
