@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 31 on one H200, in calls made back to back (the machine keeps /tmp ~30 s after a call):
-# stage the model (`bash ../shared/device/prepare.sh` then one call per part, carry
-# [".whl", ".device", ".stage/qI"], command `bash .device/run_on_device.sh true`), then:
+# stage the model (`bash ../shared/device/prepare.sh` and `bash experiments/device_wheels.sh`, then one call per
+# part, carry [".whl", ".device", ".stage/qI"], command `bash .device/run_on_device.sh true`), then:
 #   bash .device/run_on_device.sh bash experiments/h200_scale.sh gen     # new data (NEW_PROMPTS=1: new prompts too)
 #   bash .device/run_on_device.sh bash experiments/h200_scale.sh bench   # the generator's CUDA test + bench
 #   bash .device/run_on_device.sh bash experiments/h200_scale.sh train   # two drafts on the mix; the shipped one's τ
@@ -24,6 +24,12 @@ W=${SCALE_DIR:-/tmp/scale}  # SCALE_DIR: elsewhere (tests)
 LIMIT=${LIMIT:-560}
 mkdir -p $W/mix
 [[ -e $T ]] || { echo "no staged target at $T"; exit 1; }
+# τ needs the benchmarks' prompts (asset wheels in .whl: `bash experiments/device_wheels.sh` on the CPU machine):
+# checked before anything runs, not after a run's training (2026-12-06: run g trained, then evaluate.py had no prompts)
+if [[ " $PHASES " == *" train "* || " $PHASES " == *" families "* ]]; then
+  python3 -c "from data.assets import asset_path; [asset_path(n) for n in ('mtbench', 'humaneval', 'gsm8k')]" \
+    || { echo "error: no benchmark prompts for τ: run 'bash experiments/device_wheels.sh' before the calls"; exit 1; }
+fi
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
 SMI=$!
 DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never past LIMIT

@@ -1,16 +1,17 @@
-"""Run train.py (same flags) with a watch on where it spends a stall: every --every seconds all
-threads' stacks go to --stacks (faulthandler), and at exit torch.compile's time per phase and
-the number of graphs compiled go to stderr. For the H200 stall of issue 31 (first held-out
+"""Run train.py (same flags) with a watch on where it spends a stall: every --every seconds the other
+threads' stacks go to --stacks (a Python thread reading sys._current_frames), and at exit torch.compile's
+time per phase and the number of graphs compiled go to stderr. For the H200 stall of issue 31 (first held-out
 evaluation of the mix: nothing for ~400 s compiled, 31-35 s per batch eager).
 
   python3 experiments/stall_probe.py --stacks /tmp/stacks.txt --every 20 -- --target ... (train.py flags)
 """
 
 import atexit
-import faulthandler
 import runpy
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,14 +23,26 @@ def main(argv: list[str]) -> None:
     own, train_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     stacks = Path(own[own.index("--stacks") + 1])
     every = float(own[own.index("--every") + 1]) if "--every" in own else 20.0
-    f = open(stacks, "w")  # kept open for faulthandler until exit
-    faulthandler.dump_traceback_later(every, repeat=True, file=f)
     t0 = time.time()
+    stop = threading.Event()
+
+    def watch():
+        # not faulthandler.dump_traceback_later: its C watchdog reads other threads' frames without the GIL and
+        # segfaults when one of them changes under it (a known CPython crash); every probed run ended in
+        # exit 139 (H200 2026-12-03, experiments/results/scale_h200/mix_2800/README.md; H100 2026-12-06 at 60 s,
+        # mid-dump). sys._current_frames() is read under the GIL: the same stacks, no crash.
+        with open(stacks, "w") as f:
+            while not stop.wait(every):
+                f.write(f"--- {time.time() - t0:.0f} s\n")
+                for tid, frame in sys._current_frames().items():
+                    if tid != threading.get_ident():  # not this thread's own stack
+                        f.write(f"Thread {tid:#x} (most recent call last):\n{''.join(traceback.format_stack(frame))}\n")
+                f.flush()
+
+    threading.Thread(target=watch, name="stall-probe", daemon=True).start()
 
     def report():
-        # the watchdog thread dumping during interpreter shutdown is a suspect for the segfaults (exit 139) at
-        # the end of every probed run on the H200 (2026-12-03, experiments/results/scale_h200/mix_2800/README.md)
-        faulthandler.cancel_dump_traceback_later()
+        stop.set()
         import torch._dynamo.utils as du  # at exit, after train.py ran: the probe imports no torch of its own
 
         print(f"[probe] {time.time() - t0:.0f} s; compile times:\n{du.compile_times()}", file=sys.stderr, flush=True)

@@ -674,6 +674,11 @@ def _make_batch(feats, b, target, draft):
 
 
 def _step(module, batch, counts, cfg, b, schedule):
+    if b.get("rows") is not None:
+        # rows [K, R]: R (the trained rows, a multiple of 256) changes with every batch. Dynamic from the first
+        # call, so the compiled unroll is traced once, not once static then again dynamic at the second batch
+        # (~43 s of an H100's cold start, experiments/results/scale_h100/run_g_2000); no effect when eager
+        torch._dynamo.maybe_mark_dynamic(b["rows"], 1)
     return module(
         batch,
         cfg.ttt_length,

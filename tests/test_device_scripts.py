@@ -144,3 +144,20 @@ def test_scale_train_goes_on_eagerly_when_the_compiled_run_fails(tmp_path):
     run_scale(env, "train")
     calls = [line for line in train_log().splitlines() if line.startswith("python3 train.py")]
     assert len(calls) == 1 and "--compile-after 0" in calls[0] and " --compile " not in calls[0], calls
+
+
+def test_scale_refuses_to_train_without_the_benchmark_prompts(tmp_path):
+    """h200_scale.sh gen train: without the benchmarks' asset wheels (experiments/device_wheels.sh) τ cannot be
+    measured, so the call stops before generating or training, not after (run g, 2026-12-06)."""
+    env = scale_env(tmp_path, LIMIT="200")
+    # python3: the asset check fails as on a machine without the wheels, everything else echoes
+    (tmp_path / "bin/python3").write_text(
+        '#!/bin/bash\necho "python3 $*"\n[[ "$*" == *asset_path* ]] && exit 1\nexit 0\n'
+    )
+    p = subprocess.run(
+        ["bash", "experiments/h200_scale.sh", "gen", "train"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert p.returncode == 1 and "experiments/device_wheels.sh" in p.stdout, p.stdout + p.stderr
+    assert "regenerate" not in p.stdout and not (tmp_path / "out/train_out.tgz").exists()
+    p = run_scale(env, "gen")  # generating alone needs no prompts of the benchmarks
+    assert p.returncode == 0, p.stdout + p.stderr

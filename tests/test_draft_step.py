@@ -167,3 +167,26 @@ def test_cuda_compiled_step_equals_eager():
     assert torch.equal(sa["correct"], sb["correct"])
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5)
+
+
+def test_compiled_unroll_is_traced_once_for_every_row_count():
+    """The family step marks the row count R dynamic: a batch with another R re-traces only the small frames
+    after the Triton loss's graph break, not the unroll (on the H100 that re-trace cost ~43 s of the cold start)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters  # dynamo's own bookkeeping, read by this test only
+
+    from models.eagle3 import _step
+
+    torch._dynamo.reset()
+    counters.clear()
+    draft, batch, _, _ = setup(seed=3)
+    cfg = SimpleNamespace(ttt_length=2, attention="lse", loss="triton", objective="kl")
+    step, rows = torch.compile(draft, backend="eager"), select_rows(batch.loss_mask, 2, multiple=8)
+    captured = []
+    for extra in (0, 8, 16):  # three row counts, as three batches have
+        b = {"rows": torch.cat([rows, torch.full((2, extra), -1, dtype=rows.dtype)], 1)}
+        _step(step, batch, local_counts(batch, draft.t2d, 2), cfg, b, None)
+        captured.append(counters["stats"]["calls_captured"])
+    # the unroll is most of the first trace; the second R re-traces under a fifth of it, the third nothing
+    assert captured[1] - captured[0] < 0.3 * captured[0] and captured[2] == captured[1], captured
