@@ -28,9 +28,9 @@ def main(argv: list[str]) -> None:
 
     def watch():
         # not faulthandler.dump_traceback_later: its C watchdog reads other threads' frames without the GIL and
-        # segfaults when one of them changes under it (a known CPython crash); every probed run ended in
-        # exit 139 (H200 2026-12-03, experiments/results/scale_h200/mix_2800/README.md; H100 2026-12-06 at 60 s,
-        # mid-dump). sys._current_frames() is read under the GIL: the same stacks, no crash.
+        # segfaults when one of them changes under it (a known CPython crash: exit 139 at 60 s, mid-dump, on the
+        # H100, experiments/results/defaults_h100_run3/README.md). sys._current_frames() is read under the GIL:
+        # the same stacks. (A compiled run under this probe still aborted once at exit, after its report.)
         with open(stacks, "w") as f:
             while not stop.wait(every):
                 f.write(f"--- {time.time() - t0:.0f} s\n")
