@@ -3,12 +3,14 @@ nonzero() sync) equal rows chosen on the device, the step compiled as a unit equ
 prefetcher hands over the right batches, train.py with the compiled target backend and the
 compiled step follows the HF-backend run, and the compiled step on two ranks (FSDP2) follows one."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from core.trainer import torch_older_than
 from data.prefetch import Prefetcher
-from models.eagle3 import local_counts, select_rows
+from models.eagle3 import _step, local_counts, select_rows
 from tests.test_eagle3_ttt import setup
 from tests.test_train_e2e import final_params, run_train, train_rows
 from tests.tiny import to_device
@@ -172,11 +174,7 @@ def test_cuda_compiled_step_equals_eager():
 def test_compiled_unroll_is_traced_once_for_every_row_count():
     """The family step marks the row count R dynamic: a batch with another R re-traces only the small frames
     after the Triton loss's graph break, not the unroll (on the H100 that re-trace cost ~43 s of the cold start)."""
-    from types import SimpleNamespace
-
     from torch._dynamo.utils import counters  # dynamo's own bookkeeping, read by this test only
-
-    from models.eagle3 import _step
 
     torch._dynamo.reset()
     counters.clear()
