@@ -154,9 +154,7 @@ def test_scale_refuses_to_train_without_the_benchmark_prompts(tmp_path):
     (tmp_path / "bin/python3").write_text(
         '#!/bin/bash\necho "python3 $*"\n[[ "$*" == *asset_path* ]] && exit 1\nexit 0\n'
     )
-    p = subprocess.run(
-        ["bash", "experiments/h200_scale.sh", "gen", "train"], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    p = run_scale(env, "gen train")
     assert p.returncode == 1 and "experiments/device_wheels.sh" in p.stdout, p.stdout + p.stderr
     assert "regenerate" not in p.stdout and not (tmp_path / "out/train_out.tgz").exists()
     p = run_scale(env, "gen")  # generating alone needs no prompts of the benchmarks
