@@ -168,7 +168,9 @@ case $PHASE in
        [[ -d $R/export-vllm ]] && (cd $R && tar czf $OUT/draft_$name.tgz export-vllm) && parts $OUT/draft_$name.tgz) &
       jobs+=($!)
     done
-    wait "${jobs[@]}"
+    # no jobs (every run evaluated earlier): a bare `wait` would wait for the nvidia-smi loop, i.e. forever
+    # (2026-12-06: a resumed call with nothing left to do sat to its 450 s timeout)
+    ((${#jobs[@]})) && wait "${jobs[@]}"
     sleep 1; grep -ah "eval @\|error\|exit" $OUT/train_*.log | tail -8
     grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
   families)  # issue 33: experiments/families.py on the shipped draft's mix (after `SHIPPED_MIX=1 GEN_S=220 ... gen` in

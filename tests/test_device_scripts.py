@@ -105,6 +105,10 @@ def test_scale_train_recipes_and_resume_skips_evaluated_runs(tmp_path):
         names = {Path(m.name).name for m in t.getmembers()}
         log = t.extractfile("./train_g.log").read().decode()
     assert "train_c.log" not in names and "--steps 2000 --lr 3e-3 --warmup 200 --eval-every" in log, log
+    # every run evaluated: the call ends at once (a bare `wait` waited for the GPU monitor loop, forever)
+    env["RUNS"] = "c:mix_data:8192:5600"
+    p = run_scale(env, "train")
+    assert p.returncode == 0 and "run c: finished and evaluated in an earlier call" in p.stdout, p.stdout + p.stderr
 
 
 @pytest.mark.parametrize("mib,slots", [("81559", 768), ("143771", 1024)])
