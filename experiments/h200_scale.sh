@@ -32,6 +32,9 @@ if [[ " $PHASES " == *" train "* || " $PHASES " == *" families "* ]]; then
 fi
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
 SMI=$!
+# not one of the phases' jobs: a `wait` with none (`wait "${jobs[@]}"` when every run was evaluated earlier) would
+# wait for this loop, forever (2026-12-06: a resumed call with nothing left to do sat to its 450 s timeout)
+disown $SMI
 DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never past LIMIT
 left() { echo $((DEADLINE - SECONDS)); }
 mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
@@ -168,9 +171,7 @@ case $PHASE in
        [[ -d $R/export-vllm ]] && (cd $R && tar czf $OUT/draft_$name.tgz export-vllm) && parts $OUT/draft_$name.tgz) &
       jobs+=($!)
     done
-    # no jobs (every run evaluated earlier): a bare `wait` would wait for the nvidia-smi loop, i.e. forever
-    # (2026-12-06: a resumed call with nothing left to do sat to its 450 s timeout)
-    ((${#jobs[@]})) && wait "${jobs[@]}"
+    wait "${jobs[@]}"
     sleep 1; grep -ah "eval @\|error\|exit" $OUT/train_*.log | tail -8
     grep -h "tau=" $OUT/eval_*.log | cut -c1-160 ;;
   families)  # issue 33: experiments/families.py on the shipped draft's mix (after `SHIPPED_MIX=1 GEN_S=220 ... gen` in
