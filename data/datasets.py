@@ -4,6 +4,7 @@ tokenization into Examples, a held-out split, and deterministic global batches.
 
 import gzip
 import json
+import lzma
 import multiprocessing as mp
 import os
 import zlib
@@ -20,11 +21,11 @@ SHAREGPT = "sharegpt"  # the packaged ShareGPT V3 file (original human/ChatGPT a
 # regenerate on an H200; settings and counts in its provenance JSON): the training default (v1 here, v3
 # below since), since a draft learns best from text its target would actually produce.
 SHAREGPT_REGEN = "sharegpt-regen"  # v1: 3,390 chats, sampled at temperature 0.8, HF generate
-REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.gz"
+REGEN_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_regen" / "regen.jsonl.xz"
 # v3, the default: 16,808 chats (up to 3 replies each), greedy, the slot engine (models/generate.py);
 # data/sharegpt_smollm2_greedy/README.md says why greedy
 SHAREGPT_GREEDY = "sharegpt-greedy"
-GREEDY_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_greedy" / "regen.jsonl.gz"
+GREEDY_FILE = Path(__file__).resolve().parent / "sharegpt_smollm2_greedy" / "regen.jsonl.xz"
 PACKAGED = {SHAREGPT_GREEDY: GREEDY_FILE, SHAREGPT_REGEN: REGEN_FILE}
 DEFAULT_DATA = SHAREGPT_GREEDY
 
@@ -49,13 +50,23 @@ def read_truncated_json_array(path: Path, limit: int | None = None) -> list[dict
     return records
 
 
+# Compressed text: .gz (what the GPU machine's generators write: fast) and .xz (the packaged data: ~40%
+# smaller than gzip -9, and every device call carries the whole repository)
+OPENERS = {
+    ".gz": (gzip.open, "gzip", (EOFError, gzip.BadGzipFile, zlib.error)),
+    ".xz": (lzma.open, "xz", (EOFError, lzma.LZMAError)),
+}
+PLAIN = (open, "", ())
+
+
 def text_lines(path: Path):
-    """(line number, line) of a text file, decompressing .gz: a byte that is not UTF-8 or a gzip stream that
-    is cut off or damaged is a DataError naming the file and line (they were a UnicodeDecodeError or an
-    EOFError from deep inside the reader). Each line is decoded alone so that the line number is exact."""
+    """(line number, line) of a text file, decompressing .gz and .xz: a byte that is not UTF-8 or a compressed
+    stream that is cut off or damaged is a DataError naming the file and line (they were a UnicodeDecodeError or
+    an EOFError from deep inside the reader). Each line is decoded alone so that the line number is exact."""
+    opener, kind, broken = OPENERS.get(path.suffix.lower(), PLAIN)
     lineno = 0
     try:
-        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+        with opener(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 try:
                     line = raw.decode("utf-8")
@@ -65,8 +76,8 @@ def text_lines(path: Path):
                         "line); convert the file to UTF-8"
                     ) from None
                 yield lineno, line
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise DataError(f"{path}: the gzip data is cut off or damaged after line {lineno} ({e})") from None
+    except broken as e:
+        raise DataError(f"{path}: the {kind} data is cut off or damaged after line {lineno} ({e})") from None
 
 
 def json_line_error(e: json.JSONDecodeError, line: str) -> str:
@@ -120,9 +131,17 @@ def _find_bad_json_line(path: Path) -> str:
 
 
 # What load_records reads: name endings -> loader (JSON lines with the standard library, the rest
-# through `datasets`). JSON files hold one JSON array of records or one record per line; .gz ones
-# are decompressed on the fly.
-FORMATS = {".json": "json", ".jsonl": "json", ".json.gz": "json", ".jsonl.gz": "json", ".parquet": "parquet"}
+# through `datasets`). JSON files hold one JSON array of records or one record per line; .gz and .xz
+# ones are decompressed on the fly (JSON lines .xz only: the standard library reads them).
+FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".json.gz": "json",
+    ".jsonl.gz": "json",
+    ".jsonl.xz": "json",
+    ".parquet": "parquet",
+}
+JSONL = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 SUPPORTED = ", ".join(FORMATS) + " or a directory of such files"
 
 
@@ -148,8 +167,8 @@ def read_jsonl(files: list[Path], limit: int | None = None) -> list[dict]:
 
 
 def load_records(source: str, limit: int | None = None) -> list[dict]:
-    """'sharegpt', 'sharegpt-greedy', 'sharegpt-regen', or a .json / .jsonl(.gz) / .parquet file (or a
-    directory of them)."""
+    """'sharegpt', 'sharegpt-greedy', 'sharegpt-regen', or a .json(.gz) / .jsonl(.gz, .xz) / .parquet file (or
+    a directory of them)."""
     if source == SHAREGPT:
         return read_truncated_json_array(asset_path("sharegpt"), limit)
     path = PACKAGED.get(source) or Path(source)
@@ -168,7 +187,7 @@ def load_records(source: str, limit: int | None = None) -> list[dict]:
     else:
         files = [path]
         if data_format(path) is None:
-            ext = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+            ext = "".join(path.suffixes[-2:]) if path.suffix in OPENERS else path.suffix
             raise DataError(
                 f"{path}: the format {ext or '(no extension)'} is not supported; supported: {SUPPORTED} "
                 "(records with a 'messages' [{role, content}] or 'conversations' [{from, value}] list)"
@@ -176,7 +195,7 @@ def load_records(source: str, limit: int | None = None) -> list[dict]:
     kinds = {data_format(f) for f in files}
     if len(kinds) > 1:
         raise DataError(f"{path} mixes JSON and Parquet files; put them in separate directories")
-    if all(f.name.lower().endswith((".jsonl", ".jsonl.gz")) for f in files):
+    if all(f.name.lower().endswith(JSONL) for f in files):
         return read_jsonl(files, limit)
     import datasets  # optional: Hugging Face datasets (slow import, not on the GPU box), for JSON / Parquet only
 

@@ -39,12 +39,16 @@ DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never 
 left() { echo $((DEADLINE - SECONDS)); }
 mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
   mkdir -p $W/mix_data $W/v3_data
-  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/mix_data/v3_sharegpt.jsonl.gz
-  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.gz $W/v3_data/v3_sharegpt.jsonl.gz
-  cp -n data/smollm2_selfinstruct/answers.jsonl.gz $W/mix_data/selfinstruct_open.jsonl.gz
+  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/mix_data/v3_sharegpt.jsonl.xz
+  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/v3_data/v3_sharegpt.jsonl.xz
+  cp -n data/smollm2_selfinstruct/answers.jsonl.xz $W/mix_data/selfinstruct_open.jsonl.xz
   for f in $W/mix/a_*.jsonl; do [[ -f $f && $f != *.dropped.jsonl ]] && cp -n $f $W/mix_data/si_${f#$W/mix/a_}; done
   ls -la $W/mix_data > $OUT/mix_files.txt
 }
+# the packaged prompts are .xz (the repository's size); read with Python's lzma, not xzcat, which a bare GPU
+# image may lack
+xzcat_py() { python3 -c 'import lzma, shutil, sys
+for f in sys.argv[1:]: shutil.copyfileobj(lzma.open(f), sys.stdout.buffer)' "$@"; }
 parts() { local f=$1; if (($(stat -c %s "$f") > 15000000)); then split -b 15000000 -d "$f" "$f.part" && rm "$f"; fi; }
 EVAL="--device cuda --dtype fp32 -k 3 7 --num-prompts 250 --batch 64 --max-new-tokens 128 --data mtbench humaneval gsm8k"
 CODE=("Write a Python function that" "Write a Python program to" "def" "from typing import List
@@ -81,8 +85,8 @@ case $PHASE in
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
       declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) for PROMPT_S s (a quarter of what is left)
       # SHIPPED_MIX=1: the seed-7 prompts only (the shipped draft's mix, all of it answered in ~200 s: issue 33)
-      more=(data/smollm2_domains/prompts_${d}_seed*.jsonl.gz); [[ -n ${SHIPPED_MIX:-} ]] && more=()
-      (zcat data/smollm2_domains/prompts_$d.jsonl.gz "${more[@]}" > $W/p_$d.jsonl
+      more=(data/smollm2_domains/prompts_${d}_seed*.jsonl.xz); [[ -n ${SHIPPED_MIX:-} ]] && more=()
+      (xzcat_py data/smollm2_domains/prompts_$d.jsonl.xz "${more[@]}" > $W/p_$d.jsonl
        PS=${PROMPT_S:-$(($(left) / 4))}  # one call with 82 s wrote nothing: three processes converting and compiling
        [[ -n ${NEW_PROMPTS:-} ]] && timeout -k 10 $PS python3 capture.py prompts --target $T \
          --out $W/pn_$d.jsonl --engine slots --batch-size 512 --num-prompts ${PROMPTS:-30000} --max-new-tokens 160 \

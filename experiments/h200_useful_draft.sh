@@ -51,7 +51,7 @@ case $PHASE in
     cp $W/regen_out/regen.jsonl.gz $OUT/ && parts $OUT/regen.jsonl.gz
     tail -3 $OUT/regen_run.log ;;
   train)
-    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.gz}  # the committed v3 set
+    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.xz}  # the committed v3 set
     [[ -f $D ]] || { echo "no data at $D"; exit 1; }
     R=${RUN:-$W/run}
     # a run longer than one call: --time-limit stops it with a checkpoint before the call ends, and the next
@@ -86,7 +86,7 @@ case $PHASE in
     ins=(data/sharegpt_smollm2_greedy/regen $W/s0/regen $W/s1/regen)
     jobs=()
     for k in 0 1 2; do
-      src=${ins[$k]}.jsonl; [[ $k == 0 ]] && src=$src.gz
+      src=${ins[$k]}.jsonl; [[ $k == 0 ]] && src=$src.xz
       timeout $(left) python3 experiments/regen_sharegpt.py finalize --target $T --out $W/f$k --inputs $src \
         --dropped ${ins[$k]}.dropped.jsonl > $OUT/finalize$k.log 2>&1 &
       jobs+=($!)
@@ -114,12 +114,12 @@ case $PHASE in
     wait "${jobs[@]}"
     grep -h "eval @" $OUT/train0.log | tail -3; grep -h "eval @" $OUT/train1.log | tail -3; tail -3 $OUT/eval0.log $OUT/eval1.log ;;
   train1)  # one GPU: the recipe on the whole v3 replies (run a) and on their loop-cut copy (run b), both at once
-    # deloop.jsonl.gz is rebuilt here from the committed regen.jsonl.gz (it does not fit a call beside the
+    # deloop.jsonl.gz is rebuilt here from the committed regen.jsonl.xz (it does not fit a call beside the
     # repo and a model quarter): finalize on NPROC slices at once, the gzip members concatenated in order
     N=${NPROC:-12}; mkdir -p $W/dl
     python3 -c "
-import gzip, sys
-lines = gzip.open('data/sharegpt_smollm2_greedy/regen.jsonl.gz', 'rt', encoding='utf-8').readlines()
+import lzma, sys
+lines = lzma.open('data/sharegpt_smollm2_greedy/regen.jsonl.xz', 'rt', encoding='utf-8').readlines()
 n = -(-len(lines) // $N)
 for i in range($N):
     open(f'$W/dl/in{i}.jsonl', 'w', encoding='utf-8').writelines(lines[i * n : (i + 1) * n])"
@@ -135,7 +135,7 @@ for i in range($N):
     cat $W/dl/f*.log > $OUT/finalize.log; echo "deloop built at ${SECONDS}s"
     jobs=()
     for v in a b; do
-      D=data/sharegpt_smollm2_greedy/regen.jsonl.gz; X="--pad-to-max-len"
+      D=data/sharegpt_smollm2_greedy/regen.jsonl.xz; X="--pad-to-max-len"
       [[ $v == b ]] && { D=$W/deloop.jsonl.gz; X=${PACK_B:---pad-to-max-len}; }
       (timeout $(($(left) - ${EXPORT_S:-60})) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
          --max-len 1024 $X --compile --batch-size 32 --steps ${STEPS:-2200} --lr 3e-3 \
@@ -155,7 +155,7 @@ for i in range($N):
     # VARIANTS="name:flags|..."; spans calls like train (RESUME=1 in the next call, within the keep-alive).
     # Everything comes back in one tgz (logs, run.json, metrics; the drafts once they reach STEPS)
     IFS='|' read -ra VS <<< "${VARIANTS:-base:|muon:--optimizer muon|lk:--objective lk-alpha}"
-    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.gz}
+    D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.xz}
     jobs=()
     for v in "${VS[@]}"; do
       name=${v%%:*}; R=$W/ab_$name

@@ -2,7 +2,7 @@
 on the same held-out chats, counted over all assistant tokens, over the tokens past a loop's first
 repeat (data/loops.py) and over the rest.
 
-    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.gz --first 6752 --holdout 48
+    ./dev python experiments/loop_acc.py drafts/smollm2-135m-eagle3 --data CHATS.jsonl.xz --first 6752 --holdout 48
 
 The chats are taken evenly spaced from --data after skipping the first --first records (for the shipped draft:
 the 6,752 it trained on come first in data/sharegpt_smollm2_greedy), so none was seen in
@@ -12,7 +12,6 @@ counts), run once per token subset with the loss mask narrowed to it. One JSON r
 """
 
 import dataclasses
-import gzip
 import json
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from core.cli_options import MaxLenOption  # noqa: E402
 from core.runlog import run_metadata  # noqa: E402
 from core.train_config import TrainConfig  # noqa: E402
 from core.trainer import Trainer  # noqa: E402
+from data.datasets import text_lines  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
 from export import open_draft  # noqa: E402
 
@@ -56,8 +56,8 @@ def loop_positions(ids: list[int], mask: list[int]) -> list[int]:
 class Args(MaxLenOption):
     draft: Annotated[tyro.conf.Positional[str], tyro.conf.arg(metavar="DRAFT")]
     """a serving dir, run dir or checkpoint (EAGLE-3)"""
-    data: str = str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.gz")
-    """chats (.jsonl or .jsonl.gz)"""
+    data: str = str(ROOT / "data/sharegpt_smollm2_greedy/regen.jsonl.xz")
+    """chats (.jsonl, .jsonl.gz or .jsonl.xz)"""
     first: int = 6752
     """records to skip (the draft's training data)"""
     holdout: int = 48
@@ -69,8 +69,7 @@ class Args(MaxLenOption):
 def main(a: Args):
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp())
-    with gzip.open(a.data, "rt") if a.data.endswith(".gz") else open(a.data) as f:
-        rest = [line for i, line in enumerate(f) if i >= a.first]
+    rest = [line for i, line in text_lines(Path(a.data)) if i > a.first]  # numbered from 1
     # evenly spaced: regenerated files are in finishing order, short replies first within each window
     # (a third more than --holdout: some chats have nothing trainable within --max-len)
     m = a.holdout * 4 // 3 + 1

@@ -1,6 +1,7 @@
 """The manifest of a training mix: per source file, records, assistant tokens (the trained tokens),
 the share of replies that loop (data/loops.py) and that ran to the token cap, its share of the
-mix's tokens, and the file's SHA256 (what a rebuild on the GPU machine is checked against).
+mix's tokens, and the SHA256 of the file's JSONL, decompressed (what a rebuild on the GPU machine is checked
+against; the same whether the file travels as .jsonl, .gz or .xz: the packaged sources were recompressed).
 
     ./dev python experiments/mix_manifest.py FILE_OR_DIR... --out data/smollm2_domains/manifest.json
 """
@@ -16,7 +17,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.cli_options import TargetOption  # noqa: E402
-from data.datasets import load_records  # noqa: E402
+from data.datasets import OPENERS, PLAIN, load_records  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
 from models.target import load_tokenizer, resolve_target  # noqa: E402
 
@@ -24,14 +25,14 @@ from models.target import load_tokenizer, resolve_target  # noqa: E402
 @dataclass
 class Args(TargetOption):
     sources: tyro.conf.Positional[tuple[str, ...]]
-    """JSONL(.gz) files of messages-style records (or directories of them)"""
+    """JSONL(.gz, .xz) files of messages-style records (or directories of them)"""
     out: str = ""
     """write the manifest JSON here (default: print only)"""
 
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with OPENERS.get(path.suffix.lower(), PLAIN)[0](path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()

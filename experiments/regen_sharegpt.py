@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.cli_options import NumRecordsOption, TargetOption  # noqa: E402
 from data.chat import to_messages  # noqa: E402
+from data.datasets import json_object_line, text_lines  # noqa: E402
 from data.loops import loop_cut  # noqa: E402
 from experiments.data_regen import reply_stats  # noqa: E402
 
@@ -191,13 +192,14 @@ def finalize(inputs: list[Path], dropped: list[Path], out_dir: Path, target: str
 
     def records():
         for path in inputs:
-            with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8") as f:
-                for line in f:
-                    r = json.loads(line)
-                    if r["id"] in seen:
-                        raise SystemExit(f"{path}: conversation {r['id']} appears twice in the inputs")
-                    seen.add(r["id"])
-                    yield r
+            for lineno, line in text_lines(path):  # .jsonl, .gz or .xz (the packaged v3 set)
+                r = json_object_line(path, lineno, line, "expected a JSON object per line, got")
+                if r is None:  # a blank line
+                    continue
+                if r["id"] in seen:
+                    raise SystemExit(f"{path}: conversation {r['id']} appears twice in the inputs")
+                seen.add(r["id"])
+                yield r
 
     def deloop(r: dict, ids: list[list[int]]) -> dict:
         msgs, kept, replies = [], 0, iter(ids)

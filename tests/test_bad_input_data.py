@@ -6,6 +6,7 @@ untrainable chats, feature-store bytes damaged in place. Through train.py they a
 import errno
 import gzip
 import json
+import lzma
 import os
 import re
 import shutil
@@ -249,6 +250,12 @@ def _cut_gz(path: Path) -> Path:
     return path
 
 
+def _cut_xz(path: Path) -> Path:  # the packaged data's compression
+    z = lzma.compress(((json.dumps(GOOD) + "\n") * 400).encode())
+    path.write_bytes(z[: len(z) // 2])
+    return path
+
+
 @pytest.mark.parametrize(
     "name,make,message",
     [
@@ -256,6 +263,7 @@ def _cut_gz(path: Path) -> Path:
         ("a.json", _not_utf8, "a.json:2: not UTF-8 text (byte 0xe9"),  # the `datasets` path
         ("a.jsonl.gz", _cut_gz, "a.jsonl.gz: the gzip data is cut off or damaged after line"),
         ("a.json.gz", _cut_gz, "a.json.gz: the gzip data is cut off or damaged after line"),
+        ("a.jsonl.xz", _cut_xz, "a.jsonl.xz: the xz data is cut off or damaged after line"),
     ],
 )
 def test_undecodable_data_is_a_data_error(tmp_path, name, make, message):

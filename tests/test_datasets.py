@@ -1,5 +1,7 @@
 import gzip
+import hashlib
 import json
+import lzma
 from collections import Counter
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def test_unsupported_format_is_named_not_malformed_json(tmp_path):
     with pytest.raises(
         DataError,
         match=r"chats.csv: the format .csv is not supported; supported: .json, .jsonl, "
-        r".json.gz, .jsonl.gz, .parquet or a directory",
+        r".json.gz, .jsonl.gz, .jsonl.xz, .parquet or a directory",
     ) as e:
         load_records(str(p))
     assert "malformed" not in str(e.value)
@@ -128,7 +130,7 @@ def test_unsupported_format_is_named_not_malformed_json(tmp_path):
         load_records(str(tmp_path))
 
 
-def test_gzipped_jsonl_and_directories_load(tmp_path):
+def test_compressed_jsonl_and_directories_load(tmp_path):
     import datasets  # optional and slow: Hugging Face datasets (~2 s to import), only to write Parquet
 
     rows = [
@@ -139,7 +141,9 @@ def test_gzipped_jsonl_and_directories_load(tmp_path):
     d.mkdir()
     with gzip.open(d / "a.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows[:2]))
-    (d / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[2:]))
+    (d / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[2:3]))
+    with lzma.open(d / "c.jsonl.xz", "wt") as f:  # the packaged data's compression
+        f.write("".join(json.dumps(r) + "\n" for r in rows[3:]))
     (d / "README.md").write_text("ignored")
     assert load_records(str(d)) == rows
     datasets.Dataset.from_list(rows).to_parquet(str(d / "c.parquet"))
@@ -210,13 +214,25 @@ def test_committed_self_instruct_prompts_share_no_8_words_with_a_benchmark():
     against it, so a file added by hand or by another generator cannot carry a benchmark prompt in."""
     guard = BenchmarkGuard(benchmark_prompts())
     root = Path(__file__).resolve().parents[1] / "data"
-    files = sorted(root.glob("smollm2_domains/prompts_*.jsonl.gz")) + [root / "smollm2_selfinstruct/prompts.jsonl.gz"]
+    files = sorted(root.glob("smollm2_domains/prompts_*.jsonl.xz")) + [root / "smollm2_selfinstruct/prompts.jsonl.xz"]
     assert len(files) >= 10
     n = 0
     for f in files:
-        with gzip.open(f, "rt", encoding="utf-8") as fh:
+        with lzma.open(f, "rt", encoding="utf-8") as fh:
             for line in fh:
                 user = json.loads(line)["messages"][0]["content"]
                 assert not guard.hits(user), (f.name, user[:200])
                 n += 1
     assert n > 100_000
+
+
+def test_manifest_hashes_the_packaged_sources_content():
+    """data/smollm2_domains/manifest.json names the packaged v3 and self-instruct files by the SHA256 of their JSONL
+    (the files were recompressed from gzip to xz: the content, and so the hash, must not have changed)."""
+    root = Path(__file__).resolve().parents[1] / "data"
+    rows = {r["file"]: r for r in json.loads((root / "smollm2_domains/manifest.json").read_text())["sources"]}
+    for name, path in [
+        ("v3_sharegpt.jsonl.xz", "sharegpt_smollm2_greedy/regen.jsonl.xz"),
+        ("selfinstruct_open.jsonl.xz", "smollm2_selfinstruct/answers.jsonl.xz"),
+    ]:
+        assert hashlib.sha256(lzma.open(root / path).read()).hexdigest() == rows[name]["sha256"], name

@@ -2,8 +2,10 @@
 broken one wastes a scarce session, so here every one must parse, and h200_defaults.sh's runs that need no staged
 model must issue the commands they name, with python3 and nvidia-smi stubbed out."""
 
+import lzma
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -122,6 +124,24 @@ def test_scale_gen_sizes_slots_from_the_gpu(tmp_path, mib, slots):
     with tarfile.open(tmp_path / "out/gen_out.tgz") as t:
         log = t.extractfile("./answers_code.log").read().decode()
     assert f"capture.py regenerate --target {tmp_path / 'target.gguf'}" in log and f"--slots {slots} " in log, log
+
+
+def test_scale_gen_reads_the_packaged_prompts(tmp_path):
+    """h200_scale.sh gen: the prompts it answers are the committed .xz files, seed 7's then the other seeds',
+    read with Python (python3 -c runs for real here; the rest stays stubbed)."""
+    env = scale_env(tmp_path, LIMIT="200", GEN_S="150")
+    (tmp_path / "bin/python3").write_text(
+        f'#!/bin/bash\n[[ $1 == -c ]] && exec {sys.executable} "$@"\necho "python3 $*"\n'
+    )
+    p = run_scale(env, "gen")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for d in ("code", "math", "chat"):
+        files = [
+            ROOT / f"data/smollm2_domains/prompts_{d}.jsonl.xz",
+            *sorted(ROOT.glob(f"data/smollm2_domains/prompts_{d}_seed*.jsonl.xz")),
+        ]
+        want = b"".join(lzma.open(f).read() for f in files)
+        assert len(files) == 3 and (tmp_path / f"scale/p_{d}.jsonl").read_bytes() == want, d
 
 
 def test_scale_train_goes_on_eagerly_when_the_compiled_run_fails(tmp_path):
