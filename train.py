@@ -20,7 +20,7 @@ import sys
 from core.checkpoint import CheckpointError
 from core.config import config_path
 from core.disagg.roles import main as disagg_main
-from core.distributed import barrier, destroy
+from core.distributed import barrier, destroy, exit_without_teardown
 from core.train_config import ConfigError, TrainConfig, check_inputs, check_out, parse_cli, validate
 from core.trainer import EXIT_INTERRUPTED, EXIT_STOPPED, Trainer
 from core.vllm_features import vllm_target
@@ -76,5 +76,11 @@ if __name__ == "__main__":
             disagg_main(cfg, Trainer, vllm_target)
         except (ConfigError, CheckpointError) as e:
             raise SystemExit(f"error: {e}") from None
+    elif "RANK" in os.environ:  # under torchrun: the same run, ended without the interpreter's teardown
+        try:
+            main(cfg)
+        except SystemExit as e:
+            exit_without_teardown(e.code)
+        exit_without_teardown(0)
     else:
         main(cfg)

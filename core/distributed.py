@@ -5,6 +5,7 @@ without it everything here is a no-op, so the same code runs one process.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,3 +63,19 @@ def destroy():
     """Leave the process group (if any)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_without_teardown(code) -> None:
+    """End a torchrun rank now, with `code` (a SystemExit's: None, an exit status or an error message), skipping
+    the interpreter's teardown. Once FSDP2 has sharded a module, gloo's threads outlive destroy_process_group()
+    (two ranks, torch 2.13: its run-loop threads are still there after it and a gc; after a plain all_reduce they
+    are gone; DTensor's caches keep the mesh), and the C++ teardown at exit can then destroy them still joinable:
+    "terminate called without an active exception", SIGABRT, and torchrun reports a finished run as failed (a
+    2-rank CI test, once, 2026-12-06). Every file of the run is closed by then (RunLog.finish / fail); only the
+    output streams need flushing."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -219,6 +219,8 @@ class RunLog:
             return
         self.meta.update(status=status, error=error)
         self._write()
+        if self.tb is not None:  # the run ends here: its last events are written (train.py may exit without teardown)
+            self.tb.close()
 
 
 # ---------------------------------------------------------------- throughput and MFU

@@ -322,3 +322,23 @@ def test_all_min_agrees_over_ranks(tmp_path):
     out = mp.Manager().dict()
     mp.spawn(_min_rank, args=(str(tmp_path / "store"), out), nprocs=2)
     assert dict(out) == {0: 65280 - 3840, 1: 65280 - 3840}
+
+
+@pytest.mark.parametrize("code,status,err", [(None, 0, ""), (3, 3, ""), ("error: no data", 1, "error: no data\n")])
+def test_exit_without_teardown_keeps_the_status_and_the_output(code, status, err):
+    """A torchrun rank of train.py ends through exit_without_teardown: the exit status and the error message are
+    SystemExit's, and what was printed (buffered, as under a pipe) is flushed first."""
+    prog = f"from core.distributed import exit_without_teardown; print('done'); exit_without_teardown({code!r})"
+    p = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, capture_output=True, text=True)
+    assert (p.returncode, p.stdout, p.stderr) == (status, "done\n", err)
+
+
+def test_two_ranks_fail_clearly_on_bad_data(tmp_path, tiny_run_inputs):
+    """Under torchrun a bad input still ends each rank with the one-line error and exit status 1, run.json says so."""
+    target, _ = tiny_run_inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [}\n')
+    p = run_train(tmp_path / "two", target, bad, 2, ["--steps", "2"], check=False)
+    assert p.returncode != 0 and "error: " in p.stderr and "malformed JSON" in p.stderr, p.stderr[-2000:]
+    ours = p.stderr.split("torch/distributed/elastic")[0]  # before torchrun's own report (which has a traceback)
+    assert "error: " in ours and "Traceback" not in ours, p.stderr[-3000:]
