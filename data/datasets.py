@@ -141,7 +141,7 @@ FORMATS = {
     ".jsonl.xz": "json",
     ".parquet": "parquet",
 }
-JSONL = (".jsonl", ".jsonl.gz", ".jsonl.xz")
+JSONL = tuple(end for end in FORMATS if end.startswith(".jsonl"))  # read with the standard library
 SUPPORTED = ", ".join(FORMATS) + " or a directory of such files"
 
 
