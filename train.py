@@ -62,25 +62,32 @@ def exit_status(res: dict) -> int:
     return EXIT_STOPPED if why and not why.startswith("--stop-after") else 0
 
 
+def run(cfg: TrainConfig):
+    """A colocated run (main), or a role of disaggregated training: the launcher, a producer or a consumer rank."""
+    if not (cfg.deploy.role or cfg.deploy.producers):
+        return main(cfg)
+    try:
+        # the launcher checks the options and --out before starting the pools (a consumer restarted by hand
+        # into its own --out resumes: core/disagg/roles.py)
+        if not cfg.deploy.role:
+            validate(cfg)
+            check_inputs(cfg)
+            check_out(cfg)
+        disagg_main(cfg, Trainer, vllm_target)
+    except (ConfigError, CheckpointError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 if __name__ == "__main__":
     cfg = parse_cli(sys.argv[1:])  # flags, or --config run.yaml with flags overriding it
     cfg = dataclasses.replace(cfg, config=config_path(sys.argv[1:]) or cfg.config)
-    if cfg.deploy.role or cfg.deploy.producers:
+    # under torchrun (colocated ranks, or --consumer-ranks N of disaggregated training): the same run, ended
+    # without the interpreter's teardown (exit_without_teardown says why)
+    if "RANK" in os.environ:
         try:
-            # the launcher checks the options and --out before starting the pools (a consumer restarted by hand
-            # into its own --out resumes: core/disagg/roles.py)
-            if not cfg.deploy.role:
-                validate(cfg)
-                check_inputs(cfg)
-                check_out(cfg)
-            disagg_main(cfg, Trainer, vllm_target)
-        except (ConfigError, CheckpointError) as e:
-            raise SystemExit(f"error: {e}") from None
-    elif "RANK" in os.environ:  # under torchrun: the same run, ended without the interpreter's teardown
-        try:
-            main(cfg)
+            run(cfg)
         except SystemExit as e:
             exit_without_teardown(e.code)
         exit_without_teardown(0)
     else:
-        main(cfg)
+        run(cfg)
