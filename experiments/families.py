@@ -83,11 +83,15 @@ class FamiliesArgs(SweepArgs):
     builds it: --data /tmp/scale/mix_data)"""
     max_len: int = 1024  # the shipped draft's recipe too
     holdout: int = 256
-    steps: int = 2000
-    """the token budget: 2,000 x 32 conversations, where the shipped recipe (warm-up 200) had held-out acc_0 0.777
-    (issue 33 asks for eagle3 >= 0.765; experiments/results/scale_h200/warmup200_5600/)"""
-    train_args: str = "--pad-to-max-len --warmup 200"
-    """the shipped recipe's flags beyond the columns (one shape per TTT step; 200 warm-up steps)"""
+    batch_tokens: int = 32768
+    """32 packed rows of 1,024 a step: the one step shape of every family, and three runs fit beside each other on
+    an 80 GiB GPU (three at 65,536 tokens a step took 78 GiB together on an H100, 2026-12-06)"""
+    steps: int = 1200
+    """the token budget: 1,200 x 32,768 = 39.3M tokens (packed, ~99% real), above the ~35M real tokens of 2,000 x 32
+    padded conversations, where the shipped recipe (warm-up 200) had held-out acc_0 0.777 (issue 33 asks for eagle3
+    >= 0.765; experiments/results/scale_h200/warmup200_5600/)"""
+    train_args: str = "--warmup 120"
+    """the shipped recipe's flags beyond the columns: its warm-up, a tenth of the steps as there"""
     eval_ks: tuple[int, ...] = KS
     """verified draft tokens per step of the evaluation (replaces --eval-k); each at most --ttt-length"""
     all_seeds: tuple[str, ...] = ("eagle3", "dflash")

@@ -327,6 +327,7 @@ def train_flags(
         max_len=seq,
         ttt_length=ttt,
         batch_size=batch,
+        batch_tokens=0,  # `batch` conversations a rank, as the rows say (the GPU default: a budget from memory)
         steps=steps,
         warmup=2,
         lr=lr,

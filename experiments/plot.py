@@ -61,8 +61,12 @@ def subtitle(rows: list[dict], others: int) -> str:
     v = json.loads(r["versions"])
     return (
         f"{hw.get('gpu', hw.get('cpu', '?'))}, torch {v.get('torch', '?')}; "
-        f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
-        f"K={s['eval_k'] if 'eval_k' in s else ' and '.join(map(str, s['eval_ks']))}, "
+        + (
+            f"{s['steps']} steps x {s['batch_tokens']} tok (packed rows of {s['max_len']}), "
+            if s.get("batch_tokens")
+            else f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
+        )
+        + f"K={s['eval_k'] if 'eval_k' in s else ' and '.join(map(str, s['eval_ks']))}, "
         f"{s['num_prompts']} prompts/benchmark, "
         f"{len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
         + (f" ({others} rows of other scales not shown)" if others else "")

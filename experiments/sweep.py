@@ -78,6 +78,11 @@ class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, Target
     """run only these settings (names as the script lists them)"""
     steps: int = 200
     batch_size: int = 32
+    batch_tokens: int = 0
+    """a token budget per step (train.py --batch-tokens: packed rows of --max-len) instead of --batch-size
+    conversations; 0 = conversations, as the committed rows were trained. Always passed: train.py's own default on a
+    GPU sizes a budget from the whole card's memory, which neither matches the row's labels nor leaves room for
+    --parallel runs beside it (2026-12-06: three families' runs each took 65,536 tokens a step, 78 GiB together)"""
     ttt_length: int = 7
     """TTT steps of every setting that does not set its own"""
     lr: float = 3e-3
@@ -122,7 +127,8 @@ class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, Target
     """print the commands and exit"""
 
     def scale(self) -> dict:
-        """What makes two rows comparable (part of the skip key)."""
+        """What makes two rows comparable (part of the skip key). batch_tokens only when set, so that rows trained
+        on conversations before it existed keep their keys."""
         keys = (
             "target",
             "num_records",
@@ -139,7 +145,7 @@ class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, Target
             "eval_batch",
             "train_args",
         )
-        return {k: getattr(self, k) for k in keys}
+        return {k: getattr(self, k) for k in keys} | ({"batch_tokens": self.batch_tokens} if self.batch_tokens else {})
 
 
 def smoke_args(a: SweepArgs, study: str) -> SweepArgs:
@@ -151,6 +157,7 @@ def smoke_args(a: SweepArgs, study: str) -> SweepArgs:
         steps=2,
         batch_size=2,
         max_len=64,
+        batch_tokens=2 * 64 if a.batch_tokens else 0,  # two packed rows: the budget's path, at the smoke's size
         holdout=4,
         draft_vocab_size=512,
         num_prompts=1,
@@ -238,6 +245,7 @@ class Sweep:
             num_records=a.num_records,
             max_len=a.max_len,
             batch_size=a.batch_size,
+            batch_tokens=a.batch_tokens,
             steps=a.steps,
             lr=a.lr,
             holdout=a.holdout,

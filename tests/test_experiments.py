@@ -91,6 +91,9 @@ def test_families_one_row_per_run(families):
     for r in rows:
         cfg = json.loads(r["config"])
         assert cfg["strategy"] == r["setting"] and cfg["steps"] == 2 and cfg["ttt_length"] == 7
+        # one token budget for every family (the smoke's: two packed rows of its max-len), in the row's skip key
+        assert cfg["batch_tokens"] == 128 and "--batch-tokens 128" in r["train_cmd"]
+        assert json.loads(r["scale"])["batch_tokens"] == 128
         assert r["eval_ks"] == "3 7" and float(r["draft_params_m"]) > 0
         for k in (3, 7):
             c = float(r[f"draft_cost_k{k}"])
@@ -123,6 +126,9 @@ def test_one_row_per_run(results, study, setting):
     assert float(r["train_seconds"]) > 0 and float(r["peak_memory_gib"]) > 0 and r["peak_memory_kind"] == "max_rss"
     cfg = json.loads(r["config"])
     assert cfg["steps"] == 2 and cfg["seed"] == 0
+    # conversations a step, as the rows say, passed explicitly: train.py's own default on a GPU is a budget sized
+    # from the card's memory, which the rows' batch_size would not describe
+    assert cfg["batch_size"] == 2 and cfg["batch_tokens"] == 0 and "--batch-tokens 0" in r["train_cmd"]
     if study == "ttt_scaling":
         assert cfg["ttt_length"] == 13
     if study == "moe_drafts":
@@ -318,6 +324,7 @@ def test_train_flags_come_from_train_config():
     assert (got.target, got.out, got.batch_size, got.max_len, got.ttt_length, got.steps) == ("/t", "/o", 8, 64, 3, 4)
     assert got.pad_to_max_len and not got.compile and not got.progress and got.overwrite and got.holdout == 0
     assert got.backend == "compiled" and got.attention == "eager" and got.num_records == 200
+    assert got.batch_tokens == 0  # `batch` conversations a rank, not the GPU default's budget from memory
 
 
 def test_sweep_resumes_a_run_stopped_by_its_time_limit(tmp_path):
