@@ -486,7 +486,8 @@ class Trainer:
 
     def log_step(self, n: int, stats, counts, loss, gnorm, speed, bar):
         """metrics.jsonl's train row after step n (accuracies, loss over ranks, lr, grad norm, speed, compiled
-        graphs: a count growing after warm-up means recompiles) and the progress bar's figures."""
+        graphs: a count growing after warm-up means recompiles; on a GPU the peak allocated so far) and the
+        progress bar's figures."""
         m = self.metrics(stats, counts)
         m.update(
             loss=(all_sum(loss.detach().clone()) / self.world).item(),
@@ -495,6 +496,8 @@ class Trainer:
         )
         m.update(speed.report(self.global_token_sum))  # real / row tokens per s, step seconds, mfu
         m["compiled_graphs"] = compiled_graphs()
+        if self.device.type == "cuda":  # the running peak (this rank's): when it rose, not only run.json's final one
+            m["peak_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
         self.log.write({"step": n, "split": "train", **m})
         if bar:
             bar.set_postfix(

@@ -82,7 +82,8 @@ class SweepArgs(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, Target
     """a token budget per step (train.py --batch-tokens: packed rows of --max-len) instead of --batch-size
     conversations; 0 = conversations, as the committed rows were trained. Always passed: train.py's own default on a
     GPU sizes a budget from the whole card's memory, which neither matches the row's labels nor leaves room for
-    --parallel runs beside it (2026-12-06, H100: three families' runs each took 65,536 tokens a step, 78 GB by nvidia-smi)"""
+    --parallel runs beside it (2026-12-06, H100: three families' runs each took 65,536 tokens a step, 78 GB by
+    nvidia-smi)"""
     ttt_length: int = 7
     """TTT steps of every setting that does not set its own"""
     lr: float = 3e-3
