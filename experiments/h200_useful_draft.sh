@@ -54,11 +54,13 @@ case $PHASE in
     D=${DATA:-data/sharegpt_smollm2_greedy/regen.jsonl.xz}  # the committed v3 set
     [[ -f $D ]] || { echo "no data at $D"; exit 1; }
     R=${RUN:-$W/run}
+    # --batch-tokens 0: --batch-size conversations a step, as the committed runs trained (train.py's GPU default has
+    # been a token budget sized from the card since issue 32).
     # a run longer than one call: --time-limit stops it with a checkpoint before the call ends, and the next
     # call (within the machine's ~30 s keep-alive, so that $R is still there) goes on with RESUME=1
     MODE=--overwrite; [[ -n ${RESUME:-} && -f $R/ckpt/latest ]] && MODE=--resume
     timeout -k 20 $(($(left) - 25)) python3 train.py --target $T --data $D --num-records 0 --holdout 256 \
-      --max-len ${MAX_LEN:-1024} --pad-to-max-len --compile --batch-size ${BATCH:-32} --steps ${STEPS:-2000} \
+      --max-len ${MAX_LEN:-1024} --pad-to-max-len --compile --batch-size ${BATCH:-32} --batch-tokens 0 --steps ${STEPS:-2000} \
       --lr ${LR:-3e-3} --eval-every ${EVAL_EVERY:-250} --ckpt-every ${EVAL_EVERY:-250} --out $R $MODE \
       --time-limit $(($(left) - ${EXPORT_S:-70})) ${TRAIN_ARGS:-} >> $OUT/train.log 2>&1
     echo "train exit $? ($MODE)"
@@ -101,7 +103,7 @@ case $PHASE in
     for i in 0 1; do
       D=$W/final/$([[ $i == 0 ]] && echo deloop || echo regen).jsonl.gz
       (CUDA_VISIBLE_DEVICES=$i timeout -k 20 $(($(left) - ${EVAL_S:-150})) python3 train.py --target $T --data $D --num-records 0 \
-         --holdout 256 --max-len 1024 --pad-to-max-len --compile --batch-size 32 --steps ${STEPS:-2800} --lr 3e-3 \
+         --holdout 256 --max-len 1024 --pad-to-max-len --compile --batch-size 32 --batch-tokens 0 --steps ${STEPS:-2800} --lr 3e-3 \
          --eval-every ${EVAL_EVERY:-400} --ckpt-every ${EVAL_EVERY:-400} --out $W/run$i ${TRAIN_ARGS:-} > $OUT/train$i.log 2>&1
        python3 export.py $W/run$i > $OUT/export$i.log 2>&1
        CUDA_VISIBLE_DEVICES=$i timeout $(($(left) - 10)) python3 evaluate.py $W/run$i/export-vllm --target $T --device cuda \

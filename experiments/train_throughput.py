@@ -159,10 +159,12 @@ def harness_row(a: Args, log: Path) -> dict:
     }
 
 
-MODES = {  # train.py's options per mode (TrainConfig fields)
-    "pack": {"pack": "on"},
-    "compile": {"compile": True, "pack": "off"},
-    "pack-compile": {"compile": True, "pack": "on"},
+# train.py's options per mode (TrainConfig fields). The conversation modes say --batch-tokens 0: train.py's GPU
+# default is a token budget sized from the card (issue 32), which their rows' --batch-size would not describe
+MODES = {
+    "pack": {"pack": "on", "batch_tokens": 0},
+    "compile": {"compile": True, "pack": "off", "batch_tokens": 0},
+    "pack-compile": {"compile": True, "pack": "on", "batch_tokens": 0},
     # the harness's own shape: --batch-tokens = --harness-batch rows of --max-len, filled first-fit (TokenBatches)
     "tokens": {"pack": "on"},
     "tokens-compile": {"compile": True, "pack": "on"},
