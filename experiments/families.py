@@ -79,8 +79,8 @@ def columns(ks) -> list[str]:
 @dataclass
 class FamiliesArgs(SweepArgs):
     data: str = "sharegpt-greedy"  # the shipped draft's recipe, not the sweeps' v1 (experiments/README.md)
-    """v3, the regenerated ShareGPT (train.py's default); on the H200 the shipped draft's mix (experiments/h200_scale.sh
-    builds it: --data /tmp/scale/mix_data)"""
+    """v3, the regenerated ShareGPT (train.py's default); on the GPU the mix of the draft shipped on 2026-12-04
+    (experiments/h200_scale.sh builds it with SHIPPED_MIX=1: --data /tmp/scale/mix_data)"""
     max_len: int = 1024  # the shipped draft's recipe too
     holdout: int = 256
     batch_tokens: int = 32768

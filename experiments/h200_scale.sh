@@ -84,7 +84,7 @@ case $PHASE in
     jobs=()
     for d in code math chat; do  # the committed prompts, seed 7's then seed 11's (answering them rebuilds the mix);
       declare -n P=${d^^}          # NEW_PROMPTS=1: then new ones (--seed SEED) for PROMPT_S s (a quarter of what is left)
-      # SHIPPED_MIX=1: the seed-7 prompts only (the shipped draft's mix, all of it answered in ~200 s: issue 33)
+      # SHIPPED_MIX=1: the seed-7 prompts only (the mix of the draft shipped on 2026-12-04, answered in ~200 s: issue 33)
       more=(data/smollm2_domains/prompts_${d}_seed*.jsonl.xz); [[ -n ${SHIPPED_MIX:-} ]] && more=()
       (xzcat_py data/smollm2_domains/prompts_$d.jsonl.xz "${more[@]}" > $W/p_$d.jsonl
        PS=${PROMPT_S:-$(($(left) / 4))}  # one call with 82 s wrote nothing: three processes converting and compiling
