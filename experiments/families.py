@@ -84,9 +84,9 @@ class FamiliesArgs(SweepArgs):
     max_len: int = 1024  # the shipped draft's recipe too
     holdout: int = 256
     batch_tokens: int = 32768
-    """32 packed rows of 1,024 a step: the one step shape of every family, and three runs fit beside each other on
-    an 80 GB GPU (three at 65,536 tokens a step peaked at 20 + 13 + 38 GiB, 78 GB by nvidia-smi, on an H100,
-    2026-12-06)"""
+    """32 packed rows of 1,024 a step: the one step shape of every family, half the tokens of a step at which three
+    runs at once peaked at 20 + 13 + 38 GiB (78 GB by nvidia-smi) on an H100 on 2026-12-06, so three should sit
+    beside each other on an 80 GB GPU with room (estimated from that probe, not yet run at this budget)"""
     steps: int = 1200
     """the token budget: 1,200 x 32,768 = 39.3M tokens (packed, ~99% real), above the ~35M real tokens of 2,000 x 32
     padded conversations, where the shipped recipe (warm-up 200) had held-out acc_0 0.777 (issue 33 asks for eagle3
