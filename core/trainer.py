@@ -451,7 +451,11 @@ class Trainer:
         bar = None
         if cfg.progress and self.rank == 0:
             bar = tqdm(total=self.total_steps, initial=start, desc="train", dynamic_ncols=True)
-        t0 = time.time()
+        # train_seconds counts every start's training: a resumed run adds this start's to the seconds its stopped
+        # starts recorded (2026-12-07: a run resumed once reported only its last start's 111 s); a start killed
+        # outright records nothing, and its steps after the last checkpoint are trained again anyway
+        earlier = self.log.meta.get("results", {}).get("train_seconds", 0.0) if cfg.resume else 0.0
+        t0 = time.time() - earlier  # train_seconds = now - t0
         speed = self.throughput()
 
         def examples_of(step):
@@ -575,6 +579,7 @@ class Trainer:
                     {
                         "stopped_at": n,
                         "stopped_by": why,
+                        "train_seconds": time.time() - t0,
                         "packing": self.packing_summary(speed),
                         "startup_seconds": self.startup,
                     },

@@ -162,15 +162,21 @@ def test_time_limit_stops_with_a_checkpoint(tmp_path, tiny_run_inputs):
     assert "[stop] --time-limit: after step 1" in p.stdout + p.stderr
     run = json.loads((tmp_path / "t" / "run.json").read_text())
     assert run["status"] == "stopped" and run["results"]["stopped_by"] == "--time-limit"
+    first = run["results"]["train_seconds"]
+    assert first > 0
     # start-up's clock: each stage done after the one before, the first step last, and its line printed
     clock = run["results"]["startup_seconds"]
     assert list(clock) == ["target", "data", "draft", "eval_start", "first_step"], clock
     assert 0 < clock["target"] <= clock["data"] <= clock["draft"] <= clock["eval_start"] <= clock["first_step"]
     assert f"[time] first step done {clock['first_step']:.0f} s after start (target" in p.stdout
-    # --resume finishes it: exit 0, and run.json now says finished
+    # --resume finishes it: exit 0, and run.json now says finished; its train_seconds count both starts (a resumed
+    # sweep row reported only its last start's, 2026-12-07): the first start's made long here, so the sum shows
+    run["results"]["train_seconds"] = first + 1000.0
+    (tmp_path / "t" / "run.json").write_text(json.dumps(run))
     run_train(tmp_path / "t", target, data, 0, ["--steps", "6", "--resume"])
     run = json.loads((tmp_path / "t" / "run.json").read_text())
     assert run["status"] == "finished"
+    assert first + 1000.0 < run["results"]["train_seconds"] < first + 1000.0 + 600
     assert list(run["results"]["startup_seconds"]) == ["target", "data", "draft", "first_step"]  # no eval at resume
 
 
