@@ -189,6 +189,13 @@ case $PHASE in
       --runs-dir $W/families --csv $W/families_h200.csv ${FAMILIES:+--only $FAMILIES} ${FAMILIES_ARGS:-} >> $W/families.log 2>&1
     echo "families.py exit $?" >> $W/families.log
     cp $W/families.log $OUT/; [[ -f $W/families_h200.csv ]] && cp $W/families_h200.csv $OUT/
+    # each finished draft comes back once (vLLM's CPU τ and wall-clock run on the CPU machine; 2026-12-07's three
+    # drafts were lost with the machine), with its run.json and metrics
+    for R in $W/families/families/*/; do
+      n=$(basename $R); [[ -f $R/exported ]] || ! grep -q '"status": "finished"' $R/run.json 2>/dev/null && continue
+      timeout 120 python3 export.py $R > $OUT/export_$n.log 2>&1 || { echo "export $n failed"; continue; }
+      (cd $R && tar czf $OUT/draft_$n.tgz export-vllm run.json metrics.jsonl) && touch $R/exported
+    done
     grep -a "^\[families\]" $W/families.log | cut -c1-250 | tail -20 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from core.config import DeployConfig, cli, to_flags
-from core.train_config import TrainConfig
+from core.train_config import TrainConfig, parse_cli
 from experiments.multi_gpu import train_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,3 +344,15 @@ def test_sweep_resumes_a_run_stopped_by_its_time_limit(tmp_path):
     assert "--resume" in again and "--overwrite" not in again and "--time-limit" not in again
     (run / "run.json").write_text(json.dumps({"status": "finished", "results": {"eval_end": {"acc_0": 0.5}}}))
     assert "--overwrite" in sweep.train_cmd([], 0, run)
+
+
+def test_every_families_setting_is_a_valid_train_command():
+    """Each setting's flags parse as train.py's (a flag of another family's is refused there): a typo in a
+    setting would otherwise surface only on the GPU, after the other runs of its call."""
+    from experiments.families import SETTINGS  # only this test and the one above build its commands
+
+    for name, flags in SETTINGS:
+        cfg = parse_cli(["--target", "t", *flags])
+        assert cfg.strategy == (flags[flags.index("--strategy") + 1] if "--strategy" in flags else "eagle3"), name
+    spec = parse_cli(["--target", "t", *dict(SETTINGS)["dflash-specforge"]])
+    assert (spec.num_anchors, spec.loss_decay) == (512, 7.0)
