@@ -11,6 +11,10 @@ FILES=("$@")
   tests/test_families_cuda.py tests/test_kernels_cuda.py tests/test_fast_target.py tests/test_ttt_flex_buffer.py
   tests/test_gpu_memory_cuda.py)
 PER=${PER_FILE_S:-150}
+# the tests' SmolLM2 fixtures (tests/conftest.py) read the staged model where the machine has no asset wheel:
+# beside the staged model, `h200_cuda_tests.sh tests/test_train_e2e.py` runs its CUDA test too
+S=/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf
+[[ -z ${NANOSPEC_SMOLLM2:-} && -f $S ]] && export NANOSPEC_SMOLLM2=$S
 R=${OUT:-/tmp}/cuda_tests.txt
 echo "# $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)" > "$R"
 python3 -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__)" >> "$R"
