@@ -266,3 +266,21 @@ def hard_cross_entropy(logits, labels, mask, return_argmax: bool = False):
     as soft_cross_entropy (in-place backward, optional argmax)."""
     loss, argmax, _ = _CrossEntropy.apply(logits, labels, mask, True)
     return (loss, argmax) if return_argmax else loss
+
+
+# ------------------------------------------------------------------ per-row NLL for logs and weights
+NLL_CHUNK = 4096  # rows a chunk: a 4096 x 49152 fp32 copy is 0.8 GB
+
+
+@torch.compiler.disable  # a Python loop over a data-dependent row count: eager, as the CE itself
+@torch.no_grad()
+def nll_rows(logits: torch.Tensor, labels: torch.Tensor, chunk: int = NLL_CHUNK) -> torch.Tensor:
+    """-log_softmax(z_n)[label_n] per row of logits [N, V] (any float dtype) -> [N] fp32, no gradient: the block
+    drafters' per-slot logs and D-PACE's weights. Computed in fp32 a chunk of rows at a time: the whole [N, V]
+    fp32 copy it replaces was twice the bf16 logits themselves (~28 GB for a DFlash batch of 32,768 tokens at
+    512 anchors a conversation, ~140k trained slots over SmolLM2's 49,152 tokens)."""
+    out = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+    for i in range(0, logits.shape[0], chunk):
+        z = logits[i : i + chunk].float()
+        out[i : i + chunk] = z.logsumexp(-1) - z.gather(1, labels[i : i + chunk, None])[:, 0]
+    return out

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ce import hard_cross_entropy
+from kernels.ce import hard_cross_entropy, nll_rows
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid, slot_mask
 from models.block_serving import DFLASH, BlockServing
 from models.family import PARALLEL_ATTENTIONS, Family, generator, parallel_attention, parallel_auto, pick_mask_token
@@ -332,8 +332,7 @@ class DFlashDraft(nn.Module):
         slot = torch.arange(K, device=h.device).expand_as(sel)[sel]
         logits = h[sel] @ batch.head.T.to(h.dtype)  # [N, V], N = trained slots
         labels = batch.labels[sel]
-        with torch.no_grad():  # per-row nll for the logs and D-PACE (the CE kernel keeps only the sum)
-            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
+        nll = nll_rows(logits, labels)  # per row, no gradient: the logs and D-PACE (the CE kernel keeps the sum)
         if objective == "ce":
             decay = (
                 torch.exp(-torch.arange(K, device=h.device).float() / loss_decay)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.ce import hard_cross_entropy
+from kernels.ce import hard_cross_entropy, nll_rows
 from models.dflash import (
     BlockBatch,
     DFlashConfig,
@@ -106,8 +106,7 @@ class DominoDraft(DFlashDraft):
         w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
         lam = curriculum(progress)
         final = z @ head + corr  # [N, V]
-        with torch.no_grad():
-            nll = torch.logsumexp(final.float(), -1) - final.float().gather(1, labels[:, None])[:, 0]
+        nll = nll_rows(final, labels)  # per row, no gradient: the logs
         loss_final, top = hard_cross_entropy(final, labels, w, return_argmax=True)
         loss = lam * loss_final / denom
         if lam < 1:  # base logits recomputed: the CE kernel's backward overwrites its input

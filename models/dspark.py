@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ce import hard_cross_entropy
+from kernels.ce import hard_cross_entropy, nll_rows
 from models.block_serving import DSPARK, BlockServing
 from models.dflash import (
     BlockBatch,
@@ -109,8 +109,7 @@ class DSparkDraft(DFlashDraft):
         # autograd runs the later ops' backward first, and under torch.compile the ops after this graph
         # break may save logits themselves (before it, they did: wrong-version error on the H200)
         ce, top = hard_cross_entropy(logits, labels, w, return_argmax=True)
-        with torch.no_grad():
-            nll = torch.logsumexp(logits.float(), -1) - logits.float().gather(1, labels[:, None])[:, 0]
+        nll = nll_rows(logits, labels)  # per row, no gradient: the logs
         q = logits.float().softmax(-1)
         tv = (q - p).abs().sum(-1)  # [N] L1 distance
         alpha = (1 - 0.5 * tv.detach()).clamp(0, 1)

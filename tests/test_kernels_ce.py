@@ -219,3 +219,19 @@ def test_soft_ce_weights_rows_and_target_rows(ce, impl, dtype):
     _check(loss, leaf.grad, want, ref_leaf.grad, dtype)
     torch.testing.assert_close(per_row.sum(), loss.detach())
     assert (per_row[w == 0] == 0).all() and (argmax[w == 0] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,chunk", [(0, 4), (1, 4), (37, 8), (37, 37), (37, 4096)])
+def test_nll_rows_in_chunks_equal_the_whole_fp32_copy(N, chunk, dtype):
+    """nll_rows (the block drafters' per-slot logs and D-PACE weights) equals the fp32 formula it replaced,
+    whatever the chunk against N (none, one, a ragged last chunk, exact, more than N), with no gradient."""
+    V = 301
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(N, V, generator=g) * 4).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    got = kernels.ce.nll_rows(logits, labels, chunk=chunk)
+    z = logits.detach().float()
+    want = z.logsumexp(-1) - z.gather(1, labels[:, None])[:, 0]
+    assert got.dtype == torch.float32 and got.shape == (N,) and not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
