@@ -184,16 +184,18 @@ case $PHASE in
     # 64, 2 conversations a set at batch 1 for the draft cost) and skipped after
     DEADLINE=$LIMIT
     mix_data
-    timeout -k 10 $(($(left) - 15)) python3 experiments/families.py --target $T --data $W/mix_data --num-records 0 \
+    timeout -k 10 $(($(left) - 40)) python3 experiments/families.py --target $T --data $W/mix_data --num-records 0 \
       --eval-device cuda --parallel ${PARALLEL:-3} --time-limit $(($(left) - ${EVAL_S:-150})) --budget-minutes 0 \
       --runs-dir $W/families --csv $W/families_h200.csv ${FAMILIES:+--only $FAMILIES} ${FAMILIES_ARGS:-} >> $W/families.log 2>&1
     echo "families.py exit $?" >> $W/families.log
     cp $W/families.log $OUT/; [[ -f $W/families_h200.csv ]] && cp $W/families_h200.csv $OUT/
     # each finished draft comes back once (vLLM's CPU τ and wall-clock run on the CPU machine; 2026-12-07's three
-    # drafts were lost with the machine), with its run.json and metrics
+    # drafts were lost with the machine), with its run.json and metrics, in the 40 s kept from families.py (else the
+    # next call's)
     for R in $W/families/families/*/; do
       n=$(basename $R); [[ -f $R/exported ]] || ! grep -q '"status": "finished"' $R/run.json 2>/dev/null && continue
-      timeout 120 python3 export.py $R > $OUT/export_$n.log 2>&1 || { echo "export $n failed"; continue; }
+      (($(left) > 20)) || { echo "export $n: no time left in this call, the next one brings it"; break; }
+      timeout $(($(left) - 10)) python3 export.py $R > $OUT/export_$n.log 2>&1 || { echo "export $n failed"; continue; }
       (cd $R && tar czf $OUT/draft_$n.tgz export-vllm run.json metrics.jsonl) && touch $R/exported
     done
     grep -a "^\[families\]" $W/families.log | cut -c1-250 | tail -20 ;;
