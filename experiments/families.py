@@ -8,7 +8,7 @@ per verification step and the expected speed-up.
     peagle        P-EAGLE: K tokens from one parallel draft forward
     dflash        DFlash: one block of K masked slots per draft forward, hard CE
     dflash-specforge  DFlash with the recipe of SpecForge's published DFlash configs: --num-anchors 512 (up to
-                  512 blocks a conversation: one at nearly every reply token of a 1,024-token row; train.py's
+                  512 blocks a conversation: one at most reply tokens of a 1,024-token row; train.py's
                   default is 32) and --loss-decay 7 (slot k weighted exp(-(k-1)/7)); 2026-12-07's dflash run at
                   train.py's defaults reached held-out acc_0 0.43 against eagle3's 0.81
                   (experiments/results/families_h100/README.md)
