@@ -1,9 +1,11 @@
 """Wall-clock decoding speed in vLLM's CPU build, batch 1, greedy: plain decoding, vLLM's
-draft-free n-gram lookup and an EAGLE-3 draft (default: the shipped drafts/smollm2-135m-eagle3),
-on the same prompts, one engine process each, back to back.
+draft-free n-gram lookup and a draft (default: the shipped EAGLE-3 draft drafts/smollm2-135m-eagle3;
+--strategy peagle|dflash: an exported draft of that family, served with its vLLM method), on the same
+prompts, one engine process each, back to back.
 
     ./dev python experiments/vllm_speed.py                      # ~10 minutes on a 2-core CPU
     ./dev python experiments/vllm_speed.py --k 3 5 --num-prompts 6 --out experiments/results/vllm_speed_cpu.jsonl
+    ./dev python experiments/vllm_speed.py --strategy dflash --draft RUN/export-vllm --k 7   # issue 33's families
 
 Prompts: the first --num-prompts of MT-Bench (first turn), HumanEval and GSM8K each, rendered with
 the target's chat template. Each prompt is decoded alone (batch 1) to --max-new-tokens (EOS ends it
@@ -30,8 +32,10 @@ from data.chat import render  # noqa: E402
 @dataclass
 class Args(TargetOption):
     draft: str = "drafts/smollm2-135m-eagle3"
+    strategy: str = "eagle3"
+    """the draft's family (train.py --strategy): its vLLM method and settings come from export.vllm_method"""
     k: tuple[int, ...] = (3,)
-    """draft tokens per step for the EAGLE-3 draft (one run each); n-gram lookup uses the first"""
+    """draft tokens per step for the draft (one run each); n-gram lookup uses the first"""
     ngram_max: int = 4
     """vLLM prompt_lookup_max (longest n-gram matched)"""
     num_prompts: int = 6
@@ -54,13 +58,13 @@ def prompts(tok, n: int) -> list[list[int]]:
     ]
 
 
-def main(a: Args) -> list[dict]:
-    from core.runlog import git_commit, hardware, versions  # lazy: imports torch (seconds); --help runs without it
-    from models.target import load_tokenizer, resolve_target  # lazy: imports torch, as core.runlog
+def jobs(a: Args) -> list[tuple[str, dict]]:
+    """(name, run_job settings) of each engine run: plain, n-gram lookup at the first K, the draft at each K with
+    its family's vLLM method (a family vLLM cannot serve is refused here, before any engine starts)."""
+    from export import vllm_method  # lazy: imports torch (seconds); --help runs without it
 
-    target = resolve_target(a.target)
-    ps = prompts(load_tokenizer(target), a.num_prompts)
-    runs = [
+    method, extra = vllm_method(a.strategy)
+    return [
         ("plain", {"draft": None}),
         (
             f"ngram-k{a.k[0]}",
@@ -70,8 +74,20 @@ def main(a: Args) -> list[dict]:
                 "speculative_extra": {"prompt_lookup_max": a.ngram_max, "prompt_lookup_min": 1},
             },
         ),
+        *(
+            (f"{a.strategy}-k{k}", {"draft": a.draft, "k": k, "method": method, "speculative_extra": extra})
+            for k in a.k
+        ),
     ]
-    runs += [(f"eagle3-k{k}", {"draft": a.draft, "k": k}) for k in a.k]
+
+
+def main(a: Args) -> list[dict]:
+    from core.runlog import git_commit, hardware, versions  # lazy: imports torch (seconds); --help runs without it
+    from models.target import load_tokenizer, resolve_target  # lazy: imports torch, as core.runlog
+
+    runs = jobs(a)
+    target = resolve_target(a.target)
+    ps = prompts(load_tokenizer(target), a.num_prompts)
     rows, ref = [], None
     common = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -81,6 +97,7 @@ def main(a: Args) -> list[dict]:
         "prompts": len(ps),
         "max_new_tokens": a.max_new_tokens,
         "draft": a.draft,
+        "strategy": a.strategy,
         "eager": a.eager,
     }
     for name, job in runs:

@@ -356,3 +356,24 @@ def test_every_families_setting_is_a_valid_train_command():
         assert cfg.strategy == (flags[flags.index("--strategy") + 1] if "--strategy" in flags else "eagle3"), name
     spec = parse_cli(["--target", "t", *dict(SETTINGS)["dflash-specforge"]])
     assert (spec.num_anchors, spec.loss_decay) == (512, 7.0)
+
+
+def test_vllm_speed_serves_each_family_with_its_vllm_method():
+    """experiments/vllm_speed.py times a families draft with the method vLLM serves that family by (issue 33's
+    vLLM wall-clock): EAGLE-3 as eagle3, P-EAGLE as eagle3 with parallel drafting, DFlash as dflash; a family
+    vLLM has no loader for (domino) is refused before any engine starts."""
+    from experiments.vllm_speed import Args, jobs  # only this test builds its runs
+    from export import ExportError  # heavy (torch): only this test
+
+    def draft_runs(strategy):
+        runs = jobs(Args(strategy=strategy, draft="/d", k=(3, 7)))
+        assert [n for n, _ in runs] == ["plain", "ngram-k3", f"{strategy}-k3", f"{strategy}-k7"]
+        assert runs[0][1] == {"draft": None} and runs[1][1]["method"] == "ngram"
+        return [job for _, job in runs[2:]]
+
+    eagle = [(j["method"], j["k"], j["draft"]) for j in draft_runs("eagle3")]
+    assert eagle == [("eagle3", 3, "/d"), ("eagle3", 7, "/d")]
+    assert all(j["method"] == "eagle3" and j["speculative_extra"]["parallel_drafting"] for j in draft_runs("peagle"))
+    assert all(j["method"] == "dflash" for j in draft_runs("dflash"))
+    with pytest.raises(ExportError, match="vLLM has no loader"):
+        jobs(Args(strategy="domino"))
