@@ -24,18 +24,17 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.cli_options import TargetOption  # noqa: E402
+from core.cli_options import StrategyOption, TargetOption  # noqa: E402
 from core.vllm_spec import run_job  # noqa: E402
 from data.chat import render  # noqa: E402
 
 
 @dataclass
-class Args(TargetOption):
+class Args(StrategyOption, TargetOption):
     draft: str = "drafts/smollm2-135m-eagle3"
-    strategy: str = "eagle3"
-    """the draft's family (train.py --strategy): its vLLM method and settings come from export.vllm_method"""
     k: tuple[int, ...] = (3,)
-    """draft tokens per step for the draft (one run each); n-gram lookup uses the first"""
+    """draft tokens per step for the draft (one run each; --strategy: its family, served with the vLLM method
+    export.vllm_method names); n-gram lookup uses the first"""
     ngram_max: int = 4
     """vLLM prompt_lookup_max (longest n-gram matched)"""
     num_prompts: int = 6
