@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 33's planning probe for a session with too little device time to train a family to its budget (the runs
+# do not outlive the machine): what each unmeasured setting's step costs, in time and memory, at the study's batch
+# (families.py: 32,768 tokens a step), in the groups a later session would run at once. The packaged v3 chats, no
+# generation; each group trains GROUP_S seconds (start-up included) and stops with a checkpoint; nothing is evaluated.
+# After staging (h200_scale.sh's header), carrying the last part:
+#   bash .device/run_on_device.sh bash experiments/families_probe.sh
+# $OUT: probe_<group>.log, and per run its run.json, train.log and every 10th metrics row; smi.log (nvidia-smi).
+set -uo pipefail
+shopt -s nullglob
+T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}
+[[ -e $T ]] || { echo "no staged target at $T"; exit 1; }
+GROUP_S=${GROUP_S:-200}
+# dflash-specforge (13x dflash's trained slots a step: unknown cost) beside peagle, the pair a session runs first;
+# then the five small settings at once
+GROUPS_=("${GROUP_A:-dflash-specforge peagle}" "${GROUP_B:-dflash-dpace domino dspark eagle3.1 eagle3-lk}")
+(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
+SMI=$!
+disown $SMI
+i=0
+for g in "${GROUPS_[@]}"; do
+  i=$((i + 1)); n=$(wc -w <<< "$g")
+  echo "# group $i: $g ($(date -u +%T))" >> $OUT/smi.log
+  timeout -k 10 $((GROUP_S + 60)) python3 experiments/families.py --target $T --only $g --seeds 0 --parallel $n \
+    --time-limit $GROUP_S --budget-minutes 0 --eval-device cuda --runs-dir /tmp/probe$i --csv /tmp/probe$i.csv \
+    > $OUT/probe_$i.log 2>&1
+  echo "families.py exit $?" >> $OUT/probe_$i.log
+  for R in /tmp/probe$i/families/*/; do
+    r=$(basename $R)
+    cp $R/run.json $OUT/${r}_run.json 2>/dev/null; cp $R/train.log $OUT/${r}_train.log 2>/dev/null
+    awk 'NR % 10 == 1' $R/metrics.jsonl > $OUT/${r}_metrics_every10.jsonl 2>/dev/null
+  done
+  grep -a "^\[families\]" $OUT/probe_$i.log | cut -c1-250 | tail -8
+done
+kill $SMI 2>/dev/null
