@@ -357,7 +357,9 @@ def test_cuda_run_logs_its_running_peak(tmp_path, tiny_run_inputs):
     run.json's peak (an eager SmolLM2 run's peak rose from 23.5 to 40.2 GiB between two commits on 2026-12-06 with
     nothing to say at which step)."""
     target, data = tiny_run_inputs
-    run_train(tmp_path / "run", target, data, 0, ["--steps", "3", "--device", "cuda"])
+    # --batch-tokens 0: conversations a step; the GPU default sizes a token budget from the card (65,536 tokens),
+    # more than the tiny chats fill at --max-len 64 (2026-12-07 on an H100: the run refused to start)
+    run_train(tmp_path / "run", target, data, 0, ["--steps", "3", "--device", "cuda", "--batch-tokens", "0"])
     peaks = [r["peak_gib"] for r in train_rows(tmp_path / "run")]
     assert len(peaks) == 3 and all(p > 0 for p in peaks) and peaks == sorted(peaks)
     final = json.loads((tmp_path / "run" / "run.json").read_text())["peak_memory"]["cuda_max_allocated_bytes"]
