@@ -5,7 +5,8 @@
 # generation; each group trains GROUP_S seconds (start-up included) and stops with a checkpoint; nothing is evaluated.
 # After staging (h200_scale.sh's header), carrying the last part:
 #   bash .device/run_on_device.sh bash experiments/families_probe.sh
-# $OUT: probe_<group>.log, and per run its run.json, train.log and every 10th metrics row; smi.log (nvidia-smi).
+# $OUT: one archive, families_probe.tgz (a call brings back at most 8 files; 2026-12-07's first run lost all but
+# 8 of its 20): probe_<group>.log, per run its run.json, train.log and metrics.jsonl, smi.log (nvidia-smi).
 set -uo pipefail
 shopt -s nullglob
 T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -27,9 +28,9 @@ for g in "${GROUPS_[@]}"; do
   echo "families.py exit $?" >> $OUT/probe_$i.log
   for R in /tmp/probe$i/families/*/; do
     r=$(basename $R)
-    cp $R/run.json $OUT/${r}_run.json 2>/dev/null; cp $R/train.log $OUT/${r}_train.log 2>/dev/null
-    awk 'NR % 10 == 1' $R/metrics.jsonl > $OUT/${r}_metrics_every10.jsonl 2>/dev/null
+    for f in run.json train.log metrics.jsonl; do cp $R/$f $OUT/${r}_$f 2>/dev/null; done
   done
   grep -a "^\[families\]" $OUT/probe_$i.log | cut -c1-250 | tail -8
 done
 kill $SMI 2>/dev/null
+(cd $OUT && tar czf /tmp/families_probe.tgz . && rm -rf ./* && mv /tmp/families_probe.tgz .)
