@@ -14,7 +14,7 @@ from core.distributed import all_min
 from core.train_config import ConfigError, TrainConfig, auto_batch_tokens, gpu_batch_tokens, packing_blocker
 from data.chat import DataError
 from data.datasets import build_examples, collate, load_records, split_holdout, tokenize_workers
-from data.packing import TokenBatches, bucket_rows, pack, pad_batch_rows, pad_rows, plan_batches, plan_rows
+from data.packing import TokenBatches, bucket, pack, pad_batch_rows, pad_rows, plan_batches, plan_rows
 from models.target import config_int
 
 
@@ -147,7 +147,7 @@ def load_data(cfg: TrainConfig, tokenizer, pack: bool, store, stored, say, bar) 
 class Batcher:
     """Examples -> the batch the step takes, as far as the host knows it without the GPU. pack: rows packed;
     row_len: tokens a row holds; row_multiple: row counts rounded up to a multiple of it (0: data/packing.py's
-    bucket_rows, 1: as they come); dp_rank, dp_size: this rank's place among the data-parallel ranks."""
+    bucket, 1: as they come); dp_rank, dp_size: this rank's place among the data-parallel ranks."""
 
     cfg: TrainConfig
     family: object  # models/family.py's Family
@@ -180,7 +180,7 @@ class Batcher:
         if self.pack and self.row_multiple != 1 and row_sizes is None:
             R = b["input_ids"].shape[0]
             b = pad_batch_rows(
-                b, bucket_rows(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
+                b, bucket(R) if self.row_multiple == 0 else -(-R // self.row_multiple) * self.row_multiple
             )
         if rows:
             b = pad_batch_rows(b, rows)

@@ -127,7 +127,7 @@ class BaseTrainConfig(DeviceOption, MaxLenOption, NumRecordsOption, DataOption, 
     is capped there (an out-of-memory error past it), as on a smaller GPU or one shared with another process"""
     pack_row_multiple: int = 0
     """packed batches get rows of padding up to a multiple of this many rows (1: none); 0 = on a GPU up to the
-    next of four row counts per octave (8, 10, 12, 14, 16, 20, ...; data/packing.py bucket_rows), none on CPU:
+    next of four row counts per octave (8, 10, 12, 14, 16, 20, ...; data/packing.py bucket), none on CPU:
     on a GPU each new row count compiles flex and the target anew"""
     compile: bool = False
     """compile the draft step (TTT forward + loss + backward) as a unit; batches are padded to --max-len so

@@ -135,7 +135,7 @@ class Trainer:
             self.print(f"[draft] compiling the draft step: {why}")
             self.cfg = cfg = dataclasses.replace(cfg, compile=True)
         self.tick("data")
-        row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket_rows
+        row_multiple = cfg.pack_row_multiple or (0 if kind == "cuda" else 1)  # 0: data/packing.bucket
         self.batcher = Batcher(
             cfg, self.family, self.device, self.pack, self.row_len, row_multiple, self.dp_rank, self.dp_size
         )

@@ -114,14 +114,15 @@ def pad_rows(b: dict[str, torch.Tensor], T: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def bucket_rows(R: int) -> int:
-    """The smallest row count >= R of the form m * 2**e with m in 4..7 (R itself up to 4): four
-    counts per octave, so a run's varying row counts fall on a few shapes, for at most 25% padding
-    rows (about 10% on average): 9 -> 10, 28 -> 28, 29 -> 32, 33 -> 40."""
-    if R <= 4:
-        return R
-    e = R.bit_length() - 3  # R in [4 * 2**e, 8 * 2**e)
-    return -(-R // (1 << e)) * (1 << e)
+def bucket(n: int) -> int:
+    """The smallest count >= n of the form m * 2**e with m in 4..7 (n itself up to 4): four counts per
+    octave, so a count that varies from step to step (a packed batch's rows, the most DFlash blocks or
+    P-EAGLE elements of any row) falls on a few shapes for compiled code, for at most 25% padding (about
+    10% on average): 9 -> 10, 28 -> 28, 29 -> 32, 33 -> 40."""
+    if n <= 4:
+        return n
+    e = n.bit_length() - 3  # n in [4 * 2**e, 8 * 2**e)
+    return -(-n // (1 << e)) * (1 << e)
 
 
 def pad_batch_rows(b: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
@@ -129,7 +130,7 @@ def pad_batch_rows(b: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Ten
     The row count of pack() follows the batch's lengths (32 conversations of the packaged chats fill
     24-29 rows of 1024), and on a GPU every new count recompiles flex and the compiled target: seven
     TTT steps forward and backward, ~3 s each (experiments/pack_probe.sh, H200, 2026-12-01), so
-    whole minutes go to compiling before the counts repeat; train.py pads to bucket_rows(R) there.
+    whole minutes go to compiling before the counts repeat; train.py pads to bucket(R) there.
     A padding row is one padding document (doc_ids -1, positions from 0, nothing trained,
     attention_mask 0), like the padding at a row's end."""
     R, T = b["input_ids"].shape

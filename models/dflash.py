@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.packing import bucket
 from kernels.ce import hard_cross_entropy, nll_rows
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid, slot_mask
 from models.block_serving import DFLASH, BlockServing
@@ -156,10 +157,11 @@ def sample_anchors(loss_mask: list[int], n: int, gen: torch.Generator) -> list[i
     return [valid[i] for i in pick.tolist()]
 
 
-def block_host(b: dict, num_anchors: int, gen_of) -> dict:
+def block_host(b: dict, num_anchors: int, gen_of, bucketed: bool = False) -> dict:
     """Anchors of a collated or packed batch: b["anchors"] [R, n] (0 = unused block), n = the most
-    any row has (<= num_anchors per conversation), and for each block its document's span in the
-    row, b["anchor_start"] / b["anchor_end"] [R, n]. gen_of(i) is example i's generator."""
+    any row has (<= num_anchors per conversation; bucketed: rounded up by data/packing.py's bucket),
+    and for each block its document's span in the row, b["anchor_start"] / b["anchor_end"] [R, n].
+    gen_of(i) is example i's generator."""
     R = b["input_ids"].shape[0]
     if "where" in b:  # packed: example i at (row, start) of its row
         place = [tuple(w) for w in b["where"].tolist()]
@@ -172,6 +174,7 @@ def block_host(b: dict, num_anchors: int, gen_of) -> dict:
             (s + a, s, s + L) for a in sample_anchors(b["loss_mask"][r, s : s + L].tolist(), num_anchors, gen_of(i))
         ]
     n = max(1, max(len(p) for p in rows))
+    n = bucket(n) if bucketed else n
     anchors, starts, ends = (torch.zeros(R, n, dtype=torch.long) for _ in range(3))
     for r, blocks in enumerate(rows):
         for j, t in enumerate((anchors, starts, ends)):
@@ -497,7 +500,11 @@ class DFlashOptions(BlockOptions):
 
 
 def block_family_host(b, cfg, device, key, first=0):
-    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i))
+    # flex: compiled once per block count, and the most blocks of any row is a new count nearly every step at
+    # --num-anchors 512 (packed rows hold ~one block per reply token): a recompile a step, 5.8 s a step against
+    # 0.2 s for a count seen before (2026-12-07, H100, experiments/results/families_probe2_h100/)
+    bucketed = parallel_attention(cfg) == "flex"
+    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i), bucketed)
 
 
 def block_family_batch(feats, b, target, draft, target_p=False, prev_embeds=False):

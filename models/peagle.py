@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data.packing import bucket
 from kernels.masks import create_block_mask, flex_train, mask_grid, peagle_mask, slot_mask
 from models.eagle3 import ChainRows, Eagle3Config, Eagle3Draft, Eagle3Proposer, EagleOptions
 from models.eagle_serving import EagleServing
@@ -135,9 +136,10 @@ def sample_rollouts(loss_mask: list[int], K: int, gen: torch.Generator) -> tuple
     return pos, depth
 
 
-def peagle_host(b: dict, K: int, gen_of) -> dict:
+def peagle_host(b: dict, K: int, gen_of, bucketed: bool = False) -> dict:
     """The flattened element sequences of a collated or packed batch: pe_pos, pe_depth, pe_doc,
-    pe_start, pe_end [rows, L] (end: where the element's document ends in its row)."""
+    pe_start, pe_end [rows, L] (end: where the element's document ends in its row; L = the most elements
+    of any row, bucketed: rounded up by data/packing.py's bucket)."""
     R, T = b["input_ids"].shape
     if "where" in b:  # packed: example i at (row, start) of its row, its labels from doc_ids
         place = [tuple(w) for w in b["where"].tolist()]
@@ -150,6 +152,7 @@ def peagle_host(b: dict, K: int, gen_of) -> dict:
         label = int(b["doc_ids"][r, s]) if "where" in b else 0
         rows[r] += [(s + x, dd, label, s, s + n) for x, dd in zip(p, d)]
     L = max(1, max(len(e) for e in rows))
+    L = bucket(L) if bucketed else L
     out = torch.zeros(5, R, L, dtype=torch.long)  # pos, depth, doc, start, end
     out[2] = -1  # padding elements
     for r, elems in enumerate(rows):
@@ -301,8 +304,10 @@ FAMILY = Family(
     objectives=("kl",),
     options_cls=EagleOptions,
     build=_build,
+    # flex compiles once per element count L: bucketed, or a new L (and a recompile) nearly every step (dflash.py's
+    # block_family_host)
     host=lambda b, cfg, device, key, first=0: peagle_host(
-        b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i)
+        b, cfg.ttt_length, lambda i: generator(cfg.seed, key, first + i), parallel_attention(cfg) == "flex"
     ),
     make_batch=_make_batch,
     counts=lambda batch, draft, cfg: peagle_counts(batch, cfg.ttt_length),

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import export
 from core.speculative import TargetRunner, speculative_generate
+from data.packing import bucket
 from models.dflash import (
     BlockProposer,
     DFlashConfig,
@@ -41,13 +42,14 @@ def setup(
     n_examples=3,
     max_len=13,
     init=0.02,
+    bucketed=False,
     **extra,
 ):
     hf, target, examples, b = tiny_target_batch(
         seed, n_examples, min_len=5, max_len=max_len, hidden=hidden, heads=heads, initializer_range=init
     )
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(examples))]
-    b = block_host(b, n_anchors, lambda i: gens[i])
+    b = block_host(b, n_anchors, lambda i: gens[i], bucketed)
     block_size = K + cls.prediction_offset  # DFlash: the anchor slot and K drafted; DSpark: K drafted
     c = cfg_cls.from_target(hf.config, target.aux_layers, block_size, mask_token_id=5, num_layers=2, **extra)
     draft = cls(c)
@@ -162,6 +164,33 @@ def test_forward_matches_per_block_brute_force(objective, decay):
             atol=1e-5,
         )
         assert stats["correct"][k] == sum(c for (_, _, kk), (_, c) in ref.items() if kk == k)
+
+
+@pytest.mark.parametrize(
+    "cls,cfg_cls", [(DFlashDraft, DFlashConfig), (DSparkDraft, DSparkConfig)], ids=["dflash", "dspark"]
+)
+def test_bucketed_block_count_changes_nothing(cls, cfg_cls):
+    """With flex (a GPU) the block count is bucketed (data/packing.py's bucket: one compiled shape for many
+    counts): the added blocks are unused ones, and the loss, its gradients and the stats are the unpadded
+    batch's."""
+    out = []
+    for bucketed in (False, True):
+        torch.manual_seed(0)
+        draft, batch, b, *_ = setup(
+            seed=5, n_anchors=9, max_len=24, cls=cls, cfg_cls=cfg_cls, bucketed=bucketed, target_p=cls is DSparkDraft
+        )
+        if out:
+            draft.load_state_dict(out[0][0].state_dict())
+        loss, stats = draft(batch, block_counts(batch))
+        out.append((draft, batch, loss, stats, torch.autograd.grad(loss, list(draft.parameters()))))
+    (_, plain, l0, s0, g0), (_, padded, l1, s1, g1) = out
+    n = plain.anchors.shape[1]
+    assert n == 9 and padded.anchors.shape[1] == bucket(n) == 10  # some row has 9 blocks: one unused block added
+    assert torch.equal(padded.anchors[:, :n], plain.anchors) and not padded.anchors[:, n:].any()
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(s1["correct"], s0["correct"])
+    for a, c in zip(g0, g1):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
 def test_flex_forward_equals_dense():

@@ -17,7 +17,7 @@ from core.feeding import Batcher, packing
 from core.train_config import ConfigError, TrainConfig, packing_blocker
 from data.chat import DataError, Example
 from data.datasets import collate
-from data.packing import TokenBatches, bucket_rows, first_fit_decreasing, pack, pad_batch_rows, pad_rows, plan_rows
+from data.packing import TokenBatches, bucket, first_fit_decreasing, pack, pad_batch_rows, pad_rows, plan_rows
 from data.vocab import build_vocab_mapping
 from models.eagle3 import FAMILY as EAGLE3
 from models.eagle3 import Eagle3Config, Eagle3Draft, local_counts, select_rows
@@ -481,7 +481,7 @@ def test_eval_with_autograd_in_the_training_steps_shape(tmp_path, tiny_run_input
 
 
 def test_pad_batch_rows():
-    """Rows of padding: one padding document each, nothing trained, the real rows untouched; bucket_rows
+    """Rows of padding: one padding document each, nothing trained, the real rows untouched; bucket
     keeps the row counts to four per octave."""
     ex = [Example([1, 2, 3], [0, 1, 1]), Example([4, 5, 6, 7, 8], [0, 0, 1, 1, 1]), Example([9] * 6, [1] * 6)]
     b = pack(ex, row_len=8)
@@ -494,9 +494,9 @@ def test_pad_batch_rows():
     assert torch.equal(p["position_ids"][2:], torch.arange(8).expand(6, 8)) and torch.equal(p["where"], b["where"])
     with pytest.raises(AssertionError, match="cannot be padded"):
         pad_batch_rows(b, 1)
-    got = [bucket_rows(r) for r in range(1, 300)]
-    assert [bucket_rows(r) for r in (1, 4, 5, 8, 9, 11, 28, 29, 33, 64, 65)] == [1, 4, 5, 8, 10, 12, 28, 32, 40, 64, 80]
-    assert all(r <= g < 1.25 * r + 1 for r, g in zip(range(1, 300), got)) and all(bucket_rows(g) == g for g in got)
+    got = [bucket(r) for r in range(1, 300)]
+    assert [bucket(r) for r in (1, 4, 5, 8, 9, 11, 28, 29, 33, 64, 65)] == [1, 4, 5, 8, 10, 12, 28, 32, 40, 64, 80]
+    assert all(r <= g < 1.25 * r + 1 for r, g in zip(range(1, 300), got)) and all(bucket(g) == g for g in got)
     assert set(got[32:64]) == {40, 48, 56, 64}  # 33..64 rows: four shapes
 
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import export
 from core.speculative import TargetRunner, speculative_generate
+from data.packing import bucket
 from data.vocab import build_vocab_mapping, count_tokens
 from models.peagle import (
     DOWN_SAMPLE_MIN,
@@ -41,12 +42,13 @@ def setup(
     max_len=14,
     fc_norm=False,
     norm_output=False,
+    bucketed=False,
 ):
     hf, target, examples, b = tiny_target_batch(
         seed, n_examples, min_len=6, max_len=max_len, hidden=hidden, heads=heads, initializer_range=init
     )
     gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(len(examples))]
-    b = peagle_host(b, K, lambda i: gens[i])
+    b = peagle_host(b, K, lambda i: gens[i], bucketed)
     d2t, t2d = build_vocab_mapping(count_tokens(examples, hf.config.vocab_size), draft_vocab)
     c = PEagleConfig.from_target(
         hf.config, draft_vocab, target.aux_layers, mask_token_id=7, depths=K, fc_norm=fc_norm, norm_output=norm_output
@@ -142,6 +144,27 @@ def test_forward_matches_brute_force(options):
     assert torch.equal(stats["correct"], ref_correct)
     for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bucketed_element_count_changes_nothing():
+    """With flex (a GPU) the element count L is bucketed (data/packing.py's bucket: one compiled shape for many
+    counts): the added elements are padding, and the loss, its gradients and the stats are the unpadded batch's."""
+    out = []
+    for bucketed in (False, True):
+        torch.manual_seed(0)
+        draft, batch, *_ = setup(seed=2, bucketed=bucketed)
+        if out:
+            draft.load_state_dict(out[0][0].state_dict())
+        loss, stats = draft(batch, peagle_counts(batch, draft.K))
+        out.append((draft, batch, loss, stats, torch.autograd.grad(loss, list(draft.parameters()))))
+    (_, plain, l0, s0, g0), (_, padded, l1, s1, g1) = out
+    L = plain.pos.shape[1]
+    assert padded.pos.shape[1] == bucket(L) > L, L  # the test data need padding
+    assert torch.equal(padded.pos[:, :L], plain.pos) and (padded.doc[:, L:] == -1).all()
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert torch.equal(s1["correct"], s0["correct"])
+    for a, c in zip(g0, g1):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
 def test_flex_forward_equals_dense():
