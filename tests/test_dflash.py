@@ -22,6 +22,7 @@ from models.dflash import (
     dpace_weights,
     sample_anchors,
 )
+from models.domino import DominoConfig, DominoDraft
 from models.dspark import DSparkConfig, DSparkDraft
 from models.proposer import Proposer
 from tests.tiny import tiny_llama, tiny_target_batch
@@ -167,9 +168,15 @@ def test_forward_matches_per_block_brute_force(objective, decay):
 
 
 @pytest.mark.parametrize(
-    "cls,cfg_cls", [(DFlashDraft, DFlashConfig), (DSparkDraft, DSparkConfig)], ids=["dflash", "dspark"]
+    "cls,cfg_cls,extra",
+    [
+        (DFlashDraft, DFlashConfig, {}),
+        (DSparkDraft, DSparkConfig, {"target_p": True}),
+        (DominoDraft, DominoConfig, {"prev_embeds": True, "gru_size": 12, "correction_rank": 10}),
+    ],
+    ids=["dflash", "dspark", "domino"],
 )
-def test_bucketed_block_count_changes_nothing(cls, cfg_cls):
+def test_bucketed_block_count_changes_nothing(cls, cfg_cls, extra):
     """With flex (a GPU) the block count is bucketed (data/packing.py's bucket: one compiled shape for many
     counts): the added blocks are unused ones, and the loss, its gradients and the stats are the unpadded
     batch's."""
@@ -177,7 +184,7 @@ def test_bucketed_block_count_changes_nothing(cls, cfg_cls):
     for bucketed in (False, True):
         torch.manual_seed(0)
         draft, batch, b, *_ = setup(
-            seed=5, n_anchors=9, max_len=24, cls=cls, cfg_cls=cfg_cls, bucketed=bucketed, target_p=cls is DSparkDraft
+            seed=5, n_anchors=9, max_len=24, cls=cls, cfg_cls=cfg_cls, bucketed=bucketed, **extra
         )
         if out:
             draft.load_state_dict(out[0][0].state_dict())
