@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data.packing import bucket
+from data.packing import bucket, pad_rows
 from kernels.ce import hard_cross_entropy, nll_rows
 from kernels.masks import create_block_mask, dflash_mask, flex_attention_compiled, mask_grid, slot_mask
 from models.block_serving import DFLASH, BlockServing
@@ -157,11 +157,16 @@ def sample_anchors(loss_mask: list[int], n: int, gen: torch.Generator) -> list[i
     return [valid[i] for i in pick.tolist()]
 
 
-def block_host(b: dict, num_anchors: int, gen_of, bucketed: bool = False) -> dict:
+def block_host(b: dict, num_anchors: int, gen_of, bucketed: bool = False, max_len: int | None = None) -> dict:
     """Anchors of a collated or packed batch: b["anchors"] [R, n] (0 = unused block), n = the most
-    any row has (<= num_anchors per conversation; bucketed: rounded up by data/packing.py's bucket),
-    and for each block its document's span in the row, b["anchor_start"] / b["anchor_end"] [R, n].
-    gen_of(i) is example i's generator."""
+    any row has (<= num_anchors per conversation), and for each block its document's span in the
+    row, b["anchor_start"] / b["anchor_end"] [R, n]. gen_of(i) is example i's generator.
+    bucketed (compiled flex, whose shapes are the queries n * block size and the keys T + n * block size):
+    n rounded up by data/packing.py's bucket, and the rows' length T too, to at most max_len (padding columns;
+    a packed row's length is fixed already, conversations are padded to the batch's longest)."""
+    if bucketed and max_len:
+        T = b["input_ids"].shape[1]
+        b = pad_rows(b, max(T, min(bucket(T), max_len)))
     R = b["input_ids"].shape[0]
     if "where" in b:  # packed: example i at (row, start) of its row
         place = [tuple(w) for w in b["where"].tolist()]
@@ -504,7 +509,7 @@ def block_family_host(b, cfg, device, key, first=0):
     # --num-anchors 512 (packed rows hold ~one block per reply token): a recompile a step, 5.8 s a step against
     # 0.2 s for a count seen before (2026-12-07, H100, experiments/results/families_probe2_h100/)
     bucketed = parallel_attention(cfg) == "flex"
-    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i), bucketed)
+    return block_host(b, cfg.num_anchors, lambda i: generator(cfg.seed, key, first + i), bucketed, cfg.max_len)
 
 
 def block_family_batch(feats, b, target, draft, target_p=False, prev_embeds=False):

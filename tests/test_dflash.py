@@ -50,7 +50,7 @@ def setup(
         seed, n_examples, min_len=5, max_len=max_len, hidden=hidden, heads=heads, initializer_range=init
     )
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(examples))]
-    b = block_host(b, n_anchors, lambda i: gens[i], bucketed)
+    b = block_host(b, n_anchors, lambda i: gens[i], bucketed, max_len=64)
     block_size = K + cls.prediction_offset  # DFlash: the anchor slot and K drafted; DSpark: K drafted
     c = cfg_cls.from_target(hf.config, target.aux_layers, block_size, mask_token_id=5, num_layers=2, **extra)
     draft = cls(c)
@@ -177,9 +177,9 @@ def test_forward_matches_per_block_brute_force(objective, decay):
     ids=["dflash", "dspark", "domino"],
 )
 def test_bucketed_block_count_changes_nothing(cls, cfg_cls, extra):
-    """With flex (a GPU) the block count is bucketed (data/packing.py's bucket: one compiled shape for many
-    counts): the added blocks are unused ones, and the loss, its gradients and the stats are the unpadded
-    batch's."""
+    """With flex (a GPU) the block count and the rows' length are bucketed (data/packing.py's bucket: one
+    compiled shape for many): the added blocks are unused and the added columns padding, and the loss, its
+    gradients and the stats are the unpadded batch's."""
     out = []
     for bucketed in (False, True):
         torch.manual_seed(0)
@@ -191,8 +191,9 @@ def test_bucketed_block_count_changes_nothing(cls, cfg_cls, extra):
         loss, stats = draft(batch, block_counts(batch))
         out.append((draft, batch, loss, stats, torch.autograd.grad(loss, list(draft.parameters()))))
     (_, plain, l0, s0, g0), (_, padded, l1, s1, g1) = out
-    n = plain.anchors.shape[1]
+    n, T = plain.anchors.shape[1], plain.aux_hidden.shape[1]
     assert n == 9 and padded.anchors.shape[1] == bucket(n) == 10  # some row has 9 blocks: one unused block added
+    assert T == 19 and padded.aux_hidden.shape[1] == bucket(T) == 20  # and a column of padding
     assert torch.equal(padded.anchors[:, :n], plain.anchors) and not padded.anchors[:, n:].any()
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
     assert torch.equal(s1["correct"], s0["correct"])

@@ -61,7 +61,7 @@ def test_bucketed_counts_compile_once(family):
 
     made, sizes = [], []
     for i in range(2):
-        if family == "dflash":  # the same rows (flex's key length T + blocks); 9 and 10 anchors: both 10 blocks
+        if family == "dflash":  # the same rows (19 columns, padded to 20); 9 and 10 anchors: both 10 blocks
             draft, batch, *_ = dflash_setup(seed=5, n_anchors=9 + i, max_len=24, hidden=64, heads=4, bucketed=True)
             counts, sizes = block_counts(batch), sizes + [batch.anchors.shape[1]]
         else:  # P-EAGLE's flex runs over the elements alone: other rows, the same bucketed count
