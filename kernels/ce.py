@@ -261,11 +261,12 @@ def soft_cross_entropy(logits, target_p, mask, return_argmax: bool = False, retu
 
 
 @torch.compiler.disable
-def hard_cross_entropy(logits, labels, mask, return_argmax: bool = False):
+def hard_cross_entropy(logits, labels, mask, return_argmax: bool = False, return_rows: bool = False):
     """Σ_n mask_n · (-log_softmax(z_n)[label_n]); labels < 0 count as masked. Same contract
-    as soft_cross_entropy (in-place backward, optional argmax)."""
-    loss, argmax, _ = _CrossEntropy.apply(logits, labels, mask, True)
-    return (loss, argmax) if return_argmax else loss
+    as soft_cross_entropy (in-place backward, optional argmax, optional per-row terms mask_n · nll_n)."""
+    loss, argmax, rows = _CrossEntropy.apply(logits, labels, mask, True)
+    out = (loss,) + ((argmax,) if return_argmax else ()) + ((rows,) if return_rows else ())
+    return out if len(out) > 1 else loss
 
 
 # ------------------------------------------------------------------ per-row NLL for logs and weights

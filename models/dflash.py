@@ -255,6 +255,15 @@ def block_counts(batch: BlockBatch) -> torch.Tensor:
     return torch.stack([c, c], 1)
 
 
+def slot_decay(K: int, gamma: float, device) -> torch.Tensor:
+    """[K] fp32 loss weights exp(-k/gamma) of a block's slots (gamma 0: all 1). Floored at 1e-30, so a small gamma
+    leaves every trained slot a positive weight: the CE kernel's per-row terms w · nll then give back its NLL for
+    the logs (an exp that underflowed to 0 made the row untrained and its NLL 0/0)."""
+    if gamma <= 0:
+        return torch.ones(K, device=device)
+    return torch.exp(-torch.arange(K, device=device).float() / gamma).clamp_min(1e-30)
+
+
 def dpace_weights(q_BnK: torch.Tensor, mask_BnK: torch.Tensor, beta: float = DPACE_BETA) -> torch.Tensor:
     """D-PACE slot weights (detached): suffix sums of the smoothed prefix-acceptance estimate.
     Untrained slots are no-ops in the prefix product and absent from the suffix sums."""
@@ -340,23 +349,21 @@ class DFlashDraft(nn.Module):
         slot = torch.arange(K, device=h.device).expand_as(sel)[sel]
         logits = h[sel] @ batch.head.T.to(h.dtype)  # [N, V], N = trained slots
         labels = batch.labels[sel]
-        nll = nll_rows(logits, labels)  # per row, no gradient: the logs and D-PACE (the CE kernel keeps the sum)
+        nll = None  # per row [N], no gradient: the logs (and D-PACE's weights)
         if objective == "ce":
-            decay = (
-                torch.exp(-torch.arange(K, device=h.device).float() / loss_decay)
-                if loss_decay > 0
-                else torch.ones(K, device=h.device)
-            )
+            decay = slot_decay(K, loss_decay, h.device)
             w = decay[slot]
             denom = (counts[:, 1].float() * decay).sum()
-        elif objective == "dpace":
+        elif objective == "dpace":  # its weights need the NLL before the loss: one more pass over the logits
+            nll = nll_rows(logits, labels)
             q = torch.ones_like(batch.weights)
             q[sel] = torch.exp(-nll)
             w = dpace_weights(q, batch.weights)[sel]
             denom = counts[0, 1].float()  # trained blocks (slot 1 is trained in every kept block)
         else:
             raise ValueError(f"unknown objective {objective!r}: choose one of {OBJECTIVES}")
-        loss_sum, top = hard_cross_entropy(logits, labels, w, return_argmax=True)
+        loss_sum, top, rows = hard_cross_entropy(logits, labels, w, return_argmax=True, return_rows=True)
+        nll = rows / w if nll is None else nll  # the kernel's rows are w · nll (w > 0: slot_decay)
         loss = loss_sum / denom.clamp(min=1)
         stats = {
             "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),

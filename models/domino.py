@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.ce import hard_cross_entropy, nll_rows
+from kernels.ce import hard_cross_entropy
 from models.dflash import (
     BlockBatch,
     DFlashConfig,
@@ -40,6 +40,7 @@ from models.dflash import (
     block_family_batch,
     block_family_host,
     block_proposer,
+    slot_decay,
 )
 from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 
@@ -98,16 +99,12 @@ class DominoDraft(DFlashDraft):
         head = batch.head.T.to(h.dtype)
         corr = self.correction(z, s.view(B, n, K, -1)[sel]) * (slot > 0)[:, None].to(h.dtype)  # none at k = 0
         labels = batch.labels[sel]
-        decay = (
-            torch.exp(-torch.arange(K, device=h.device).float() / loss_decay)
-            if loss_decay > 0
-            else torch.ones(K, device=h.device)
-        )
+        decay = slot_decay(K, loss_decay, h.device)
         w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
         lam = curriculum(progress)
         final = z @ head + corr  # [N, V]
-        nll = nll_rows(final, labels)  # per row, no gradient: the logs
-        loss_final, top = hard_cross_entropy(final, labels, w, return_argmax=True)
+        loss_final, top, rows = hard_cross_entropy(final, labels, w, return_argmax=True, return_rows=True)
+        nll = rows / w  # per row, no gradient: the logs (the kernel's rows are w · nll, w > 0)
         loss = lam * loss_final / denom
         if lam < 1:  # base logits recomputed: the CE kernel's backward overwrites its input
             loss = loss + (1 - lam) * hard_cross_entropy(z @ head, labels, w) / denom

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ce import hard_cross_entropy, nll_rows
+from kernels.ce import hard_cross_entropy
 from models.block_serving import DSPARK, BlockServing
 from models.dflash import (
     BlockBatch,
@@ -43,6 +43,7 @@ from models.dflash import (
     block_counts,
     block_family_batch,
     block_family_host,
+    slot_decay,
 )
 from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 from models.proposer import Tree
@@ -103,13 +104,13 @@ class DSparkDraft(DFlashDraft):
         e = self.markov_head.markov_w1(batch.prev_ids[sel])  # [N, r]: teacher-forced previous token
         logits = z @ batch.head.T.to(h.dtype) + self.markov_head.markov_w2(e)  # [N, V]
         labels, p = batch.labels[sel], batch.target_p[sel].float()
-        decay = torch.exp(-torch.arange(K, device=h.device).float() / gamma)
+        decay = slot_decay(K, gamma, h.device)
         w, denom = decay[slot], (counts[:, 1].float() * decay).sum().clamp(min=1)
         # the CE's backward overwrites logits with their gradient, so it must be their first consumer:
         # autograd runs the later ops' backward first, and under torch.compile the ops after this graph
         # break may save logits themselves (before it, they did: wrong-version error on the H200)
-        ce, top = hard_cross_entropy(logits, labels, w, return_argmax=True)
-        nll = nll_rows(logits, labels)  # per row, no gradient: the logs
+        ce, top, rows = hard_cross_entropy(logits, labels, w, return_argmax=True, return_rows=True)
+        nll = rows / w  # per row, no gradient: the logs (the kernel's rows are w · nll, w > 0)
         q = logits.float().softmax(-1)
         tv = (q - p).abs().sum(-1)  # [N] L1 distance
         alpha = (1 - 0.5 * tv.detach()).clamp(0, 1)

@@ -115,12 +115,15 @@ def test_hard_ce(ce, impl, N, V, dtype):
     labels[::5] = -100  # ignored rows
     leaf = logits.clone().requires_grad_()
     ref_leaf = logits.clone().requires_grad_()
-    loss, argmax = ce.hard_cross_entropy(leaf * 1, labels, mask, return_argmax=True)
+    loss, argmax, rows = ce.hard_cross_entropy(leaf * 1, labels, mask, return_argmax=True, return_rows=True)
     loss.backward()
     want = ref_hard(ref_leaf, labels, mask)
     want.backward()
     _check(loss, leaf.grad, want, ref_leaf.grad, dtype)
     live = (mask != 0) & (labels >= 0)
+    # the per-row terms mask_n · nll_n (the block drafters' logs divide them by their weights)
+    nll = -torch.log_softmax(logits.float(), -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    torch.testing.assert_close(rows, torch.where(live, mask.float() * nll, 0.0), atol=1e-5, rtol=1e-5)
     assert torch.equal(argmax[live], logits[live].float().argmax(-1))
     assert (argmax[~live] == -1).all()
 
