@@ -63,11 +63,12 @@ def test_bucketed_counts_compile_once(family):
     for i in range(2):
         if family == "dflash":  # the same rows (19 columns, padded to 20); 9 and 10 anchors: both 10 blocks
             draft, batch, *_ = dflash_setup(seed=5, n_anchors=9 + i, max_len=24, hidden=64, heads=4, bucketed=True)
-            counts, sizes = block_counts(batch), sizes + [batch.anchors.shape[1]]
+            sizes.append(batch.anchors.shape[1])
         else:  # P-EAGLE's flex runs over the elements alone: other rows, the same bucketed count
             draft, batch, *_ = peagle_setup(seed=5 + i, hidden=64, heads=4, bucketed=True)  # 21 and 22: 24
-            counts, sizes = peagle_counts(batch, draft.K), sizes + [batch.pos.shape[1]]
-        draft, batch = draft.cuda(), to_device(batch)
+            sizes.append(batch.pos.shape[1])
+        draft, batch = draft.cuda(), to_device(batch)  # counts from the moved batch: on the GPU with the loss
+        counts = block_counts(batch) if family == "dflash" else peagle_counts(batch, draft.K)
         loss_and_grads(draft, lambda d=draft, b=batch, c=counts: d(b, c, attention="flex"))
         made.append(compiled_graphs())
     assert sizes[0] == sizes[1], sizes
