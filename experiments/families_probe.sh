@@ -14,13 +14,14 @@ T=${TARGET:-/tmp/stage/SmolLM2-135M-Instruct.Q4_1.gguf}
 GROUP_S=${GROUP_S:-200}
 # dflash-specforge (13x dflash's trained slots a step: unknown cost) beside peagle, the pair a session runs first;
 # then the five small settings at once
-GROUPS_=("${GROUP_A:-dflash-specforge peagle}" "${GROUP_B:-dflash-dpace domino dspark eagle3.1 eagle3-lk}")
+# (GROUP_A= or GROUP_B= set empty: that group is skipped)
+GROUPS_=("${GROUP_A-dflash-specforge peagle}" "${GROUP_B-dflash-dpace domino dspark eagle3.1 eagle3-lk}")
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; sleep 10; done) > $OUT/smi.log 2>&1 &
 SMI=$!
 disown $SMI
 i=0
 for g in "${GROUPS_[@]}"; do
-  i=$((i + 1)); n=$(wc -w <<< "$g")
+  i=$((i + 1)); n=$(wc -w <<< "$g"); ((n)) || continue
   echo "# group $i: $g ($(date -u +%T))" >> $OUT/smi.log
   timeout -k 10 $((GROUP_S + 60)) python3 experiments/families.py --target $T --only $g --seeds 0 --parallel $n \
     --time-limit $GROUP_S --budget-minutes 0 --eval-device cuda --runs-dir /tmp/probe$i --csv /tmp/probe$i.csv \
