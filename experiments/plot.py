@@ -9,7 +9,8 @@ alone on the GPU, else the CSV's training time and peak memory); moe_drafts.csv 
 data_regen.csv -> regen_tau.png (bars: seed mean, min-max error bars, dots: seeds);
 throughput_h200.jsonl -> backends_h200.png (experiments/throughput.py's figure: HF vs compiled);
 families_h200.csv -> families_h200.png (τ and expected speed-up τ / (1 + c) per family at each K: mean
-of the benchmarks, bars: seed mean, error bars: min-max over seeds, dots: seeds).
+of the benchmarks, bars: seed mean, error bars: min-max over seeds, dots: seeds); the same figure of the rows made
+on an H100, families_h100/families.csv -> families_h100.png (each named by the card its rows ran on).
 A CSV holding rows of several scales is plotted at the scale of its last row (the others are
 counted in the title).
 """
@@ -186,7 +187,7 @@ def plot_bars(path: Path, figures: Path, name: str, title: str, order: list[str]
     return [out]
 
 
-def plot_families(path: Path, figures: Path, order: list[str]) -> list[Path]:
+def plot_families(path: Path, figures: Path, order: list[str], name: str = "families_h200.png") -> list[Path]:
     """Two panels, τ and expected speed-up (mean of the benchmarks), a bar per (family, K)."""
     rows, others = read_rows(path)
     if not rows:
@@ -195,7 +196,7 @@ def plot_families(path: Path, figures: Path, order: list[str]) -> list[Path]:
     seen = list(dict.fromkeys(r["setting"] for r in rows))
     settings = [s for s in order if s in seen] + [s for s in seen if s not in order]
     width = 0.8 / len(ks)
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(settings) * 2), 4))
+    fig, axes = plt.subplots(1, 2, figsize=(max(11, 1.1 * len(settings) * 2), 4))  # 11: the subtitle fits
     cmap = plt.get_cmap("tab10")
     for ax, (col, label) in zip(
         axes, (("tau_mean", "τ (tokens / target forward)"), ("speedup_mean", "expected speed-up τ / (1 + c)"))
@@ -230,7 +231,7 @@ def plot_families(path: Path, figures: Path, order: list[str]) -> list[Path]:
         fontsize=9,
     )
     fig.tight_layout()
-    out = figures / "families_h200.png"
+    out = figures / name
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return [out]
@@ -262,8 +263,9 @@ def main(a: PlotArgs) -> list[Path]:
     ):
         if (results / f"{study}.csv").exists():
             made += plot_bars(results / f"{study}.csv", figures, png, title, settings())
-    if (results / "families_h200.csv").exists():
-        made += plot_families(results / "families_h200.csv", figures, [s for s, _ in FAMILY_SETTINGS])
+    for rows, png in (("families_h200.csv", "families_h200.png"), ("families_h100/families.csv", "families_h100.png")):
+        if (results / rows).exists():
+            made += plot_families(results / rows, figures, [s for s, _ in FAMILY_SETTINGS], png)
     if (results / "throughput_h200.jsonl").exists():
         from experiments.throughput import plot as plot_backends  # lazy: imports torch and triton (seconds)
 

@@ -277,10 +277,11 @@ NLL_CHUNK = 4096  # rows a chunk: a 4096 x 49152 fp32 copy is 0.8 GB
 @torch.no_grad()
 def nll_rows(logits: torch.Tensor, labels: torch.Tensor, chunk: int = NLL_CHUNK) -> torch.Tensor:
     """-log_softmax(z_n)[label_n] per row of logits [N, V] (any float dtype) -> [N] fp32, no gradient: D-PACE's
-    weights, needed before its loss (the block drafters' logs otherwise take the CE kernel's rows). Computed in fp32 a chunk of rows at a time: the whole [N, V]
-    fp32 copy it replaces was twice the bf16 logits themselves: ~25 GB for a DFlash batch of 32,768 tokens of the
-    packaged greedy chats at 512 anchors a conversation (~128k trained slots over SmolLM2's 49,152 tokens, counted
-    from the first 3,000 chats' reply lengths; ~10k at train.py's default 32)."""
+    weights, needed before its loss (the block drafters' logs otherwise take the CE kernel's rows). Computed in fp32
+    a chunk of rows at a time: the whole [N, V] fp32 copy it replaces was twice the bf16 logits themselves: ~25 GB
+    for a DFlash batch of 32,768 tokens of the packaged greedy chats at 512 anchors a conversation (~128k trained
+    slots over SmolLM2's 49,152 tokens, counted from the first 3,000 chats' reply lengths; ~10k at train.py's
+    default 32)."""
     out = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
     for i in range(0, logits.shape[0], chunk):
         z = logits[i : i + chunk].float()
