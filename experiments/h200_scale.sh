@@ -39,10 +39,12 @@ DEADLINE=$LIMIT  # per phase (gen: GEN_S, probe: PROBE_S from its start), never 
 left() { echo $((DEADLINE - SECONDS)); }
 mix_data() {  # the mix as one directory of JSONL (train.py reads a directory's data files; sidecars stay out)
   mkdir -p $W/mix_data $W/v3_data
-  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/mix_data/v3_sharegpt.jsonl.xz
-  cp -n data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/v3_data/v3_sharegpt.jsonl.xz
-  cp -n data/smollm2_selfinstruct/answers.jsonl.xz $W/mix_data/selfinstruct_open.jsonl.xz
-  for f in $W/mix/a_*.jsonl; do [[ -f $f && $f != *.dropped.jsonl ]] && cp -n $f $W/mix_data/si_${f#$W/mix/a_}; done
+  # copy_new, not cp -n: the device's coreutils warn that -n will change meaning (six lines in every call's log)
+  copy_new() { [[ -e $2 ]] || cp "$1" "$2"; }
+  copy_new data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/mix_data/v3_sharegpt.jsonl.xz
+  copy_new data/sharegpt_smollm2_greedy/regen.jsonl.xz $W/v3_data/v3_sharegpt.jsonl.xz
+  copy_new data/smollm2_selfinstruct/answers.jsonl.xz $W/mix_data/selfinstruct_open.jsonl.xz
+  for f in $W/mix/a_*.jsonl; do [[ -f $f && $f != *.dropped.jsonl ]] && copy_new $f $W/mix_data/si_${f#$W/mix/a_}; done
   ls -la $W/mix_data > $OUT/mix_files.txt
 }
 # the packaged prompts are .xz (the repository's size); read with Python's lzma, not xzcat, which a bare GPU
