@@ -135,8 +135,8 @@ def brute_force_nll(draft, batch, b, target):
     return out
 
 
-# decay 0.01: exp(-k/γ) underflows fp32 from slot 1 on; the floored weight keeps those slots trained, in "correct"
-# and with their NLL in the logs (the kernel's rows are w · nll)
+# decay 0.01: exp(-k/γ) is subnormal in fp32 at slot 1 and 0 from slot 2; the floored weight keeps them trained,
+# in "correct" and with their NLL in the logs (the kernel's rows are w · nll)
 @pytest.mark.parametrize("objective,decay", [("ce", 0.0), ("ce", 2.0), ("ce", 0.01), ("dpace", 0.0)])
 def test_forward_matches_per_block_brute_force(objective, decay):
     draft, batch, b, target, _ = setup(seed=2, K=3, n_anchors=4)
