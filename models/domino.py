@@ -72,6 +72,14 @@ class DominoDraft(DFlashDraft):
             nn.Linear(c.correction_rank, c.vocab_size),
         )
 
+    def _apply(self, fn, recurse=True):
+        # torch's RNNs no longer flatten their weights when moved or cast (RNNBase._apply only re-reads them):
+        # cuDNN then copies the four weights into one buffer at every call and warns each step (H100, 2026-12-07).
+        # Flattened once here, after each .to() / .cuda() (a no-op off cuDNN).
+        out = super()._apply(fn, recurse)
+        self.prefix_gru.flatten_parameters()
+        return out
+
     def correction(self, z_NH, s_NG):
         """Logit residual [N, V] of drafted slots with backbone states z and GRU states s."""
         return self.embed_proj(torch.cat([z_NH, s_NG.to(z_NH.dtype)], -1))

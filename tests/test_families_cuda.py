@@ -9,6 +9,7 @@ import torch
 from models.dflash import block_counts
 from models.peagle import peagle_counts
 from tests.test_dflash import setup as dflash_setup
+from tests.test_domino import domino_setup
 from tests.test_peagle import setup as peagle_setup
 from tests.tiny import to_device
 
@@ -73,3 +74,18 @@ def test_bucketed_counts_compile_once(family):
         made.append(compiled_graphs())
     assert sizes[0] == sizes[1], sizes
     assert made[1] == made[0], made
+
+
+def test_domino_gru_weights_flat_after_moving():
+    """Moved to the GPU and cast, Domino's GRU runs on one flat weight buffer: no per-call compaction (torch's RNNs
+    stopped flattening themselves in _apply; the H100 runs of 2026-12-07 warned at every step)."""
+    import warnings  # in-function: only this test turns the warning into an error
+
+    draft, batch, *_ = domino_setup(seed=2)
+    draft, batch = draft.cuda().to(torch.bfloat16).float(), to_device(batch)  # moved, then cast twice
+    storages = {w.untyped_storage().data_ptr() for w in draft.prefix_gru._flat_weights}
+    assert len(storages) == 1, "the GRU's weights are separate tensors"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not part of single contiguous chunk")
+        loss, _, grads = loss_and_grads(draft, lambda: draft(batch, block_counts(batch), progress=1.0))
+    assert torch.isfinite(loss) and "prefix_gru.weight_hh_l0" in grads
