@@ -264,6 +264,17 @@ def slot_decay(K: int, gamma: float, device) -> torch.Tensor:
     return torch.exp(-torch.arange(K, device=device).float() / gamma).clamp_min(1e-30)
 
 
+def slot_stats(K: int, slot_N: torch.Tensor, nll_N: torch.Tensor, top_N: torch.Tensor, labels_N: torch.Tensor) -> dict:
+    """The block drafters' per-slot logs of N trained slots (slot index, NLL, argmax, label [N]): {loss_sum: Σ nll
+    [K] fp32, correct: count of argmax == label [K] int64}."""
+    return {
+        "loss_sum": torch.zeros(K, device=nll_N.device).index_add_(0, slot_N, nll_N),
+        "correct": torch.zeros(K, device=nll_N.device, dtype=torch.long).index_add_(
+            0, slot_N, (top_N == labels_N).long()
+        ),
+    }
+
+
 def dpace_weights(q_BnK: torch.Tensor, mask_BnK: torch.Tensor, beta: float = DPACE_BETA) -> torch.Tensor:
     """D-PACE slot weights (detached): suffix sums of the smoothed prefix-acceptance estimate.
     Untrained slots are no-ops in the prefix product and absent from the suffix sums."""
@@ -365,11 +376,7 @@ class DFlashDraft(nn.Module):
         loss_sum, top, rows = hard_cross_entropy(logits, labels, w, return_argmax=True, return_rows=True)
         nll = rows / w if nll is None else nll  # the kernel's rows are w · nll (w > 0: slot_decay)
         loss = loss_sum / denom.clamp(min=1)
-        stats = {
-            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
-            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
-        }
-        return loss, stats
+        return loss, slot_stats(K, slot, nll, top, labels)
 
     # ---- inference ----
     def block_hidden(self, anchor_id: int, anchor_pos: int, ctx_kv, embed_tokens):

@@ -41,6 +41,7 @@ from models.dflash import (
     block_family_host,
     block_proposer,
     slot_decay,
+    slot_stats,
 )
 from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 
@@ -116,11 +117,7 @@ class DominoDraft(DFlashDraft):
         loss = lam * loss_final / denom
         if lam < 1:  # base logits recomputed: the CE kernel's backward overwrites its input
             loss = loss + (1 - lam) * hard_cross_entropy(z @ head, labels, w) / denom
-        stats = {
-            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
-            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
-        }
-        return loss, stats
+        return loss, slot_stats(K, slot, nll, top, labels)
 
     # ---- inference ----
     def gru_rows(self, emb_AE, state_AG):

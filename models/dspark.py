@@ -44,6 +44,7 @@ from models.dflash import (
     block_family_batch,
     block_family_host,
     slot_decay,
+    slot_stats,
 )
 from models.family import PARALLEL_ATTENTIONS, Family, parallel_attention, parallel_auto, pick_mask_token
 from models.proposer import Tree
@@ -116,11 +117,7 @@ class DSparkDraft(DFlashDraft):
         alpha = (1 - 0.5 * tv.detach()).clamp(0, 1)
         conf = F.binary_cross_entropy_with_logits(self.confidence_logit(z, e), alpha, reduction="none")
         loss = (CE_ALPHA * ce + L1_ALPHA * (w * tv).sum() + CONF_ALPHA * (w * conf).sum()) / denom
-        stats = {
-            "loss_sum": torch.zeros(K, device=h.device).index_add_(0, slot, nll),
-            "correct": torch.zeros(K, device=h.device, dtype=torch.long).index_add_(0, slot, (top == labels).long()),
-        }
-        return loss, stats
+        return loss, slot_stats(K, slot, nll, top, labels)
 
     # ---- inference ----
     @torch.no_grad()
