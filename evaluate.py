@@ -191,6 +191,10 @@ class EvalArgs:
     tree_topk: int = 0
     """tree drafting: keep the top-k nodes per depth (0 = no tree run)"""
     tree_depth: int = 5
+    min_survival: tuple[float, ...] = ()
+    """DSpark drafts only: also decode with the confidence head's cut at each of these prefix-survival thresholds
+    (a block is cut where the product of its confidences c_1..c_k drops below it: fewer tokens verified, the same
+    greedy output), one run each, one conversation at a time, at every -k"""
     ngram: bool = False
     """also measure the draft-free n-gram (prompt lookup) baseline with the first K"""
     check_greedy: bool = False
@@ -229,6 +233,7 @@ def resume_key(a: EvalArgs, draft: torch.nn.Module, target_dir) -> dict:
         "k",
         "tree_topk",
         "tree_depth",
+        "min_survival",
         "ngram",
         "check_greedy",
         "dtype",
@@ -338,6 +343,10 @@ def check_args(a: EvalArgs):
             raise SystemExit(
                 f"error: {flag} {k} drafts more tokens a step than --max-new-tokens {a.max_new_tokens} lets be verified"
             )
+    if bad := [v for v in a.min_survival if not 0 < v <= 1]:  # 0 is the run without a cut; above 1 cuts everything
+        raise SystemExit(f"error: --min-survival takes thresholds in (0, 1], got {' '.join(map(str, bad))}")
+    if dup := sorted({str(v) for v in a.min_survival if a.min_survival.count(v) > 1}):
+        raise SystemExit(f"error: --min-survival names {', '.join(dup)} more than once (each value is one run)")
     if a.tree_depth != EvalArgs.tree_depth and not a.tree_topk:  # read by the tree run only: it was ignored
         raise SystemExit("error: --tree-depth applies to the tree run: pass --tree-topk N too")
     if a.threads > 1024:  # 10**12 was an overflow traceback from torch
@@ -398,6 +407,13 @@ def build_proposers(a: EvalArgs, draft, model) -> list:
             proposers = [proposer_for(draft, model, depth=k) for k in a.k or (None,)]
         except ValueError as e:
             raise SystemExit(f"error: -k {' '.join(map(str, a.k))}: {e}") from None
+    if a.min_survival and not hasattr(proposers[0], "min_survival"):  # only DSpark's proposer has a confidence head
+        raise SystemExit(f"error: --min-survival applies to dspark drafts (a confidence head), not {draft.family}")
+    for v in a.min_survival:  # the same proposals cut by the confidence head (models/dspark.py DSparkProposer)
+        for k in a.k or (None,):
+            p = proposer_for(draft, model, depth=k)
+            p.min_survival, p.name = v, f"{p.name}-cut{v:g}"
+            proposers.append(p)
     if a.ngram:
         proposers.append(NgramProposer(proposers[0].depth))
     return proposers

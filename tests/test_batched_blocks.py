@@ -81,28 +81,34 @@ def test_which_block_proposers_batch():
     assert not DSparkProposer(draft, emb, head, min_survival=0.5).batches
 
 
-def test_evaluate_batched_blocks(tiny_run_inputs, tmp_path):
-    """evaluate.py --batch 2 with a DFlash checkpoint: blocks decode two conversations at once (turn by turn) with
-    the batch-1 counters, greedy-exact (--check-greedy); the batched rows are not timed."""
+def block_checkpoint(target_dir, tmp_path, family: str) -> dict:
+    """A random `family` draft (K = 4) for the tiny target saved as a training checkpoint, and 3 conversations (5
+    turns) of prompts: evaluate.EvalArgs' draft, target, num_prompts and data."""
     from transformers import AutoModelForCausalLM  # heavy (transformers): not at module import
 
-    import evaluate  # an entry script (torch, transformers): only this test needs it
-
-    target_dir, _ = tiny_run_inputs
     hf = AutoModelForCausalLM.from_pretrained(target_dir)
-    c = DFlashConfig.from_target(hf.config, [0, 1, 3], 4, mask_token_id=5, num_layers=1)
+    config_cls, draft_cls = FAMILIES[family]
+    c = config_cls.from_target(hf.config, [0, 1, 3], 4, mask_token_id=5, num_layers=1)
     torch.manual_seed(0)
-    draft = DFlashDraft(c)
+    draft = draft_cls(c)
     step = tmp_path / "run" / "ckpt" / "step_1"
     step.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, step / "draft.safetensors")
-    meta = {"strategy": "dflash", "draft": c.to_dict(), "target": str(target_dir)}
+    meta = {"strategy": family, "draft": c.to_dict(), "target": str(target_dir)}
     (step / "config.json").write_text(json.dumps(meta))
     (tmp_path / "run" / "ckpt" / "latest").write_text("step_1")
     prompts = tmp_path / "p.jsonl"
     convs = ({"turns": ["Hi there", "And again"]}, {"prompt": "Count to ten."}, {"turns": ["One", "Two"]})
     prompts.write_text("\n".join(json.dumps(x) for x in convs) + "\n")
-    args = dict(draft=str(tmp_path / "run"), target=str(target_dir), num_prompts=0, data=(str(prompts),))
+    return dict(draft=str(tmp_path / "run"), target=str(target_dir), num_prompts=0, data=(str(prompts),))
+
+
+def test_evaluate_batched_blocks(tiny_run_inputs, tmp_path):
+    """evaluate.py --batch 2 with a DFlash checkpoint: blocks decode two conversations at once (turn by turn) with
+    the batch-1 counters, greedy-exact (--check-greedy); the batched rows are not timed."""
+    import evaluate  # an entry script (torch, transformers): only this test needs it
+
+    args = block_checkpoint(tiny_run_inputs[0], tmp_path, "dflash")
     res = {
         b: evaluate.main(evaluate.EvalArgs(**args, max_new_tokens=12, k=(2, 3), batch=b, check_greedy=True))["results"][
             "p"
@@ -113,3 +119,26 @@ def test_evaluate_batched_blocks(tiny_run_inputs, tmp_path):
     clock = ("seconds", "draft_seconds", "target_seconds", "draft_cost", "expected_speedup")  # batched: not timed
     assert res[2]["dflash-block3"]["draft_cost"] is None
     assert res[1] == {k: {**v, **{c: res[1][k][c] for c in clock}} for k, v in res[2].items()}
+
+
+def test_evaluate_dspark_confidence_cut(tiny_run_inputs, tmp_path):
+    """evaluate.py --min-survival: a DSpark draft's blocks cut by its confidence head, one run per threshold and -k,
+    greedy-exact (--check-greedy); a cut verifies fewer than K tokens at some steps; 1.0 cuts every block (a
+    confidence is a sigmoid, below 1): plain decoding. Other families and thresholds outside (0, 1] are refused."""
+    import evaluate  # an entry script (torch, transformers): only this test needs it
+
+    args = block_checkpoint(tiny_run_inputs[0], tmp_path / "dspark", "dspark")
+    res = evaluate.main(
+        evaluate.EvalArgs(**args, max_new_tokens=12, k=(4,), min_survival=(0.3, 1.0), check_greedy=True)
+    )
+    rows = res["results"]["p"]
+    assert set(rows) == {"dspark-block4", "dspark-block4-cut0.3", "dspark-block4-cut1"}
+    full, cut, none = rows["dspark-block4"], rows["dspark-block4-cut0.3"], rows["dspark-block4-cut1"]
+    assert full["draft_tokens"] == 4 * full["drafts"]
+    assert 0 < cut["draft_tokens"] < 4 * cut["drafts"]  # the random head cuts some blocks, not all
+    assert none["draft_tokens"] == 0 and none["tau"] == 1.0
+    dflash = block_checkpoint(tiny_run_inputs[0], tmp_path / "dflash", "dflash")
+    with pytest.raises(SystemExit, match="--min-survival applies to dspark drafts"):
+        evaluate.main(evaluate.EvalArgs(**dflash, max_new_tokens=4, min_survival=(0.5,)))
+    with pytest.raises(SystemExit, match=r"--min-survival takes thresholds in \(0, 1\], got 0.0"):
+        evaluate.main(evaluate.EvalArgs(**args, min_survival=(0.0,)))
