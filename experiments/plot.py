@@ -68,8 +68,9 @@ def subtitle(rows: list[dict], others: int) -> str:
             else f"{s['steps']} steps x {s['batch_size']} seqs of <= {s['max_len']} tok, "
         )
         + f"K={s['eval_k'] if 'eval_k' in s else ' and '.join(map(str, s['eval_ks']))}, "
-        f"{s['num_prompts']} prompts/benchmark, "
-        f"{len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
+        # num_prompts caps each set (MT-Bench has 80, HumanEval 164); seeds: the most any setting has
+        + (f"<= {s['num_prompts']} prompts/benchmark, " if s["num_prompts"] else "every prompt, ")
+        + f"up to {len({x['seed'] for x in rows})} seeds; {r['date'][:10]}"
         + (f" ({others} rows of other scales not shown)" if others else "")
     )
 
