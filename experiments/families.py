@@ -13,6 +13,9 @@ per verification step and the expected speed-up.
                   train.py's defaults reached held-out acc_0 0.43 against eagle3's 0.81
                   (experiments/results/families_h100/README.md)
     dflash-dpace  DFlash with D-PACE slot weights
+    dflash-dpace-3l  the same with 3 draft layers, not 1: every other setting has one, DFlash's published drafts
+                  several; whether depth is what keeps the block drafters' first slot at 38-43% acceptance
+                  against EAGLE-3's 53-62% (2026-12-07, experiments/results/families_h100/README.md)
     domino        Domino: DFlash blocks + a GRU correction head
     dspark        DSpark: blocks whose anchor predicts, Markov + confidence heads (all K verified)
 
@@ -60,6 +63,7 @@ SETTINGS = [
     ("dflash", ["--strategy", "dflash"]),
     ("dflash-specforge", ["--strategy", "dflash", "--num-anchors", "512", "--loss-decay", "7"]),
     ("dflash-dpace", ["--strategy", "dflash", "--objective", "dpace"]),
+    ("dflash-dpace-3l", ["--strategy", "dflash", "--objective", "dpace", "--draft-layers", "3"]),
     ("domino", ["--strategy", "domino"]),
     ("dspark", ["--strategy", "dspark"]),
 ]

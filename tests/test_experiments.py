@@ -356,6 +356,8 @@ def test_every_families_setting_is_a_valid_train_command():
         assert cfg.strategy == (flags[flags.index("--strategy") + 1] if "--strategy" in flags else "eagle3"), name
     spec = parse_cli(["--target", "t", *dict(SETTINGS)["dflash-specforge"]])
     assert (spec.num_anchors, spec.loss_decay) == (512, 7.0)
+    deep = parse_cli(["--target", "t", *dict(SETTINGS)["dflash-dpace-3l"]])
+    assert (deep.objective, deep.draft_layers) == ("dpace", 3)
 
 
 def test_vllm_speed_serves_each_family_with_its_vllm_method():
