@@ -412,7 +412,7 @@ def build_proposers(a: EvalArgs, draft, model) -> list:
     for v in a.min_survival:  # the same proposals cut by the confidence head (models/dspark.py DSparkProposer)
         for k in a.k or (None,):
             p = proposer_for(draft, model, depth=k)
-            p.min_survival, p.name = v, f"{p.name}-cut{v:g}"
+            p.min_survival = v  # renames it: dspark-block7-cut0.2
             proposers.append(p)
     if a.ngram:
         proposers.append(NgramProposer(proposers[0].depth))

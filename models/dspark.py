@@ -159,14 +159,25 @@ class DSparkProposer(BlockProposer):
     """DSpark block drafting: the parallel backbone, then the Markov head left to right; the
     confidence head's c_k (acceptance of drafted token k given its prefix) can cut the block
     where the prefix survival Π_{j<=k} c_j drops below min_survival (DSpark's confidence-scheduled
-    verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K."""
+    verification, reduced to one request: fewer tokens to verify, same greedy output). 0 keeps all K;
+    a cut proposer's name ends in -cut<threshold> (evaluate.py --min-survival sets it on a built proposer)."""
 
     def __init__(self, draft, embed_tokens, head_weight, min_survival: float = 0.0, depth: int | None = None):
         super().__init__(draft, embed_tokens, head_weight, "dspark", depth)
-        if not 0.0 <= min_survival <= 1.0:
-            raise ValueError(f"min_survival must be in [0, 1], got {min_survival}")
+        self._uncut_name = self.name
         self.min_survival = min_survival
         self.confidence: list[list[float]] = []  # c_k of every proposed block
+
+    @property
+    def min_survival(self) -> float:
+        return self._min_survival
+
+    @min_survival.setter
+    def min_survival(self, v: float):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"min_survival must be in [0, 1], got {v}")
+        self._min_survival = v
+        self.name = self._uncut_name + (f"-cut{v:g}" if v > 0 else "")
 
     @property
     def batches(self) -> bool:  # a confidence cut verifies a different number of drafts per row: one at a time
