@@ -197,13 +197,13 @@ case $PHASE in
     for R in $W/families/families/*/; do
       n=$(basename $R); [[ -f $R/exported ]] || ! grep -q '"status": "finished"' $R/run.json 2>/dev/null && continue
       (($(left) > 20)) || { echo "export $n: no time left in this call, the next one brings it"; break; }
+      files="export-vllm run.json metrics.jsonl"
       if ! timeout $(($(left) - 10)) python3 export.py $R > $OUT/export_$n.log 2>&1; then
         # a family no engine loads (domino) still brings its run.json and metrics back, once; other failures retry
         grep -q "no serving engine" $OUT/export_$n.log || { echo "export $n failed"; continue; }
-        echo "export $n: no serving engine loads it; run.json and metrics only"
-        (cd $R && tar czf $OUT/draft_$n.tgz run.json metrics.jsonl) && touch $R/exported; continue
+        echo "export $n: no serving engine loads it; run.json and metrics only"; files="run.json metrics.jsonl"
       fi
-      (cd $R && tar czf $OUT/draft_$n.tgz export-vllm run.json metrics.jsonl) && touch $R/exported
+      (cd $R && tar czf $OUT/draft_$n.tgz $files) && touch $R/exported
     done
     grep -a "^\[families\]" $W/families.log | cut -c1-250 | tail -20 ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
