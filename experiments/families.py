@@ -144,6 +144,12 @@ class FamiliesSweep(Sweep):
         if not self.a.cost_prompts:
             return tau
         cost = super().eval_cmd(run, num_prompts=self.a.cost_prompts, batch=1, name="eval_cost")
+        if self.eval_parallel > 1 and self.a.eval_device != "cpu":
+            # the timed pass needs the GPU to itself: evaluations sharing it time-slice, and the draft's small
+            # kernels wait the most (2026-12-07, three at once on an H100: eagle3's c at K = 7 read 1.36, 0.44
+            # alone, its τ equal to the digit). The τ passes hold the lock shared, a timed pass exclusively.
+            lock = str(run.parent / ".timed_pass.lock")
+            tau, cost = ["flock", "-s", lock, *tau], ["flock", "-x", lock, *cost]
         return ["bash", "-c", f"{shlex.join(tau)} && {shlex.join(cost)}"]
 
     def eval_results(self, run: Path, name: str = "eval") -> dict:

@@ -379,3 +379,22 @@ def test_vllm_speed_serves_each_family_with_its_vllm_method():
     assert all(j["method"] == "dflash" for j in draft_runs("dflash"))
     with pytest.raises(ExportError, match="vLLM has no loader"):
         jobs(Args(strategy="domino"))
+
+
+def test_families_timed_pass_has_the_gpu_to_itself(tmp_path):
+    """With several evaluations at once on a GPU, each run's timed batch-1 pass (the draft cost c) takes the study's
+    lock exclusively and its τ pass shares it, so no c is timed beside another evaluation; one at a time, or on
+    the CPU, the commands are plain."""
+    from experiments.families import SETTINGS, FamiliesArgs, FamiliesSweep  # only these tests build its commands
+
+    def chain(**kw) -> str:
+        a = FamiliesArgs(target="smollm2", csv=str(tmp_path / "f.csv"), **kw)
+        return FamiliesSweep("families", SETTINGS, a).eval_cmd(tmp_path / "runs" / "eagle3-s0")[-1]
+
+    lock = str(tmp_path / "runs" / ".timed_pass.lock")
+    shared = chain(eval_device="cuda", eval_parallel=3)
+    tau, cost = shared.split(" && ")
+    assert tau.startswith(f"flock -s {lock} ") and "--batch 64" in tau
+    assert cost.startswith(f"flock -x {lock} ") and "--batch 1 " in cost and "eval_cost.jsonl" in cost
+    for alone in (chain(eval_device="cuda"), chain(eval_device="cpu", eval_parallel=2, parallel=2)):
+        assert "flock" not in alone and " && " in alone
