@@ -46,6 +46,7 @@ experiments/README.md ("Families side by side") has the H200 command and its bud
 import dataclasses
 import json
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,11 @@ class FamiliesSweep(Sweep):
         super().__init__(study, settings, args)
         self.ks = args.eval_ks
         self.columns = columns(self.ks)
+        if self.eval_parallel > 1 and args.eval_device != "cpu" and not (args.cost_prompts and shutil.which("flock")):
+            # eval_cmd locks the timed pass against the others; without a separate timed pass or flock(1), it can't
+            why = "no flock(1) here" if args.cost_prompts else "--cost-prompts 0 times the τ pass"
+            print(f"[families] timed passes need the GPU to themselves ({why}): one evaluation at a time")
+            self.eval_parallel = 1
 
     def seeds_of(self, setting: str) -> tuple[int, ...]:
         return self.a.seeds if setting in self.a.all_seeds else self.a.seeds[:1]

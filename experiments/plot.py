@@ -221,6 +221,9 @@ def plot_families(path: Path, figures: Path, order: list[str], name: str = "fami
                     linewidth=0.4,
                 )
                 ax.scatter([x] * len(v), v, color="black", s=6, zorder=3)
+        for j, s in enumerate(settings):  # an empty column (e.g. a draft cost not timed) must not read as zero
+            if not any(by_setting(rows, f"{col}_k{k}")[s] for k in ks):
+                ax.text(j, 0.05, "not measured", rotation=90, ha="center", va="bottom", fontsize=7, color="#555555")
         ax.axhline(1.0, color="#888888", linewidth=0.8)  # plain decoding
         ax.set_xticks(range(len(settings)), settings, rotation=30, ha="right")
         ax.set_ylabel(label)

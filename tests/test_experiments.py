@@ -2,6 +2,7 @@
 evaluates one run and appends one row, a second call skips it, and plot.py draws every figure."""
 
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -381,7 +382,7 @@ def test_vllm_speed_serves_each_family_with_its_vllm_method():
         jobs(Args(strategy="domino"))
 
 
-def test_families_timed_pass_has_the_gpu_to_itself(tmp_path):
+def test_families_timed_pass_has_the_gpu_to_itself(tmp_path, monkeypatch):
     """With several evaluations at once on a GPU, each run's timed batch-1 pass (the draft cost c) takes the study's
     lock exclusively and its τ pass shares it, so no c is timed beside another evaluation; one at a time, or on
     the CPU, the commands are plain."""
@@ -398,3 +399,8 @@ def test_families_timed_pass_has_the_gpu_to_itself(tmp_path):
     assert cost.startswith(f"flock -x {lock} ") and "--batch 1 " in cost and "eval_cost.jsonl" in cost
     for alone in (chain(eval_device="cuda"), chain(eval_device="cpu", eval_parallel=2, parallel=2)):
         assert "flock" not in alone and " && " in alone
+    one = FamiliesArgs(target="smollm2", csv=str(tmp_path / "f.csv"), eval_device="cuda", eval_parallel=3)
+    timed_tau = dataclasses.replace(one, cost_prompts=0, eval_batch=1)  # the τ pass is the timed one
+    assert FamiliesSweep("families", SETTINGS, timed_tau).eval_parallel == 1
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no flock(1): one evaluation at a time instead
+    assert FamiliesSweep("families", SETTINGS, one).eval_parallel == 1
