@@ -392,6 +392,7 @@ def test_families_timed_pass_has_the_gpu_to_itself(tmp_path, monkeypatch):
         a = FamiliesArgs(target="smollm2", csv=str(tmp_path / "f.csv"), **kw)
         return FamiliesSweep("families", SETTINGS, a).eval_cmd(tmp_path / "runs" / "eagle3-s0")[-1]
 
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")  # flock(1) there, whatever this machine has
     lock = str(tmp_path / "runs" / ".timed_pass.lock")
     shared = chain(eval_device="cuda", eval_parallel=3)
     tau, cost = shared.split(" && ")
