@@ -135,11 +135,16 @@ class FamiliesSweep(Sweep):
         super().__init__(study, settings, args)
         self.ks = args.eval_ks
         self.columns = columns(self.ks)
-        if self.eval_parallel > 1 and args.eval_device != "cpu" and not (args.cost_prompts and shutil.which("flock")):
+        if self.shares_gpu and not (args.cost_prompts and shutil.which("flock")):
             # eval_cmd locks the timed pass against the others; without a separate timed pass or flock(1), it can't
             why = "no flock(1) here" if args.cost_prompts else "--cost-prompts 0 times the τ pass"
             print(f"[families] timed passes need the GPU to themselves ({why}): one evaluation at a time")
             self.eval_parallel = 1
+
+    @property
+    def shares_gpu(self) -> bool:
+        """Several evaluations at once on the GPU, where they time-slice."""
+        return self.eval_parallel > 1 and self.a.eval_device != "cpu"
 
     def seeds_of(self, setting: str) -> tuple[int, ...]:
         return self.a.seeds if setting in self.a.all_seeds else self.a.seeds[:1]
@@ -150,7 +155,7 @@ class FamiliesSweep(Sweep):
         if not self.a.cost_prompts:
             return tau
         cost = super().eval_cmd(run, num_prompts=self.a.cost_prompts, batch=1, name="eval_cost")
-        if self.eval_parallel > 1 and self.a.eval_device != "cpu":
+        if self.shares_gpu:
             # the timed pass needs the GPU to itself: evaluations sharing it time-slice, and the draft's small
             # kernels wait the most (2026-12-07, three at once on an H100: eagle3's c at K = 7 read 1.36, 0.44
             # alone, its τ equal to the digit). The τ passes hold the lock shared, a timed pass exclusively.

@@ -202,12 +202,14 @@ def plot_families(path: Path, figures: Path, order: list[str], name: str = "fami
     for ax, (col, label) in zip(
         axes, (("tau_mean", "τ (tokens / target forward)"), ("speedup_mean", "expected speed-up τ / (1 + c)"))
     ):
+        drawn = set()
         for i, k in enumerate(ks):
             vals = by_setting(rows, f"{col}_k{k}")
             for j, s in enumerate(settings):
                 v = vals[s]
                 if not v:
                     continue
+                drawn.add(s)
                 x, m = j + (i - (len(ks) - 1) / 2) * width, sum(v) / len(v)
                 ax.bar(
                     x,
@@ -222,7 +224,7 @@ def plot_families(path: Path, figures: Path, order: list[str], name: str = "fami
                 )
                 ax.scatter([x] * len(v), v, color="black", s=6, zorder=3)
         for j, s in enumerate(settings):  # an empty column (e.g. a draft cost not timed) must not read as zero
-            if not any(by_setting(rows, f"{col}_k{k}")[s] for k in ks):
+            if s not in drawn:
                 ax.text(j, 0.05, "not measured", rotation=90, ha="center", va="bottom", fontsize=7, color="#555555")
         ax.axhline(1.0, color="#888888", linewidth=0.8)  # plain decoding
         ax.set_xticks(range(len(settings)), settings, rotation=30, ha="right")
