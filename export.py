@@ -660,6 +660,14 @@ def main(a: ExportArgs) -> Path:
     except (ExportError, FileNotFoundError) as e:
         raise SystemExit(f"error: export failed: {e}") from None
     print(f"[export] {d} -> {path} ({a.engine}, {a.dtype}{', with embeddings' if a.with_embeddings else ''})")
+    cfg = json.loads((path / "config.json").read_text())
+    if a.engine == "sglang" and (cfg.get("fc_norm") or cfg.get("norm_output")):
+        # SGLang's llama_eagle3 loader skips tensors it has no parameter for: one without EAGLE-3.1 support
+        # serves this draft without its norms (lower acceptance, no error), so say so where the user looks
+        print(
+            "[export] note: an EAGLE-3.1 draft (fc_norm / norm_output): serve it with an SGLang that reads those "
+            "fields; an older one loads it without the norms and says nothing"
+        )
     return path
 
 

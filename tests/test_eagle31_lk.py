@@ -123,7 +123,7 @@ def test_lk_alpha_lowers_the_loss_it_reports():
     assert float(loss) < first - 0.1
 
 
-def test_export_writes_eagle31_fields(tmp_path):
+def test_export_writes_eagle31_fields(tmp_path, capsys):
     run, d, _ = make_checkpoint(tmp_path)
     d31 = eagle31(d)
     step = run / "ckpt" / "step_7"
@@ -142,6 +142,11 @@ def test_export_writes_eagle31_fields(tmp_path):
     assert back.config == d31.config
     (l0, _), (l1, _) = draft_outputs(d31), draft_outputs(back)
     assert torch.equal(l0, l1)
+    # SGLang: the same tensors, and a note that an SGLang without EAGLE-3.1 support drops them silently
+    export.main(export.ExportArgs(str(run), out=str(tmp_path / "sglang"), engine="sglang", dtype="fp32"))
+    assert "EAGLE-3.1 draft" in capsys.readouterr().out
+    export.main(export.ExportArgs(str(run), out=str(tmp_path / "vllm"), engine="vllm", dtype="fp32"))
+    assert "EAGLE-3.1 draft" not in capsys.readouterr().out
 
 
 def test_lk_two_ranks_match_one_rank(tmp_path, tiny_run_inputs):
