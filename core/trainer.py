@@ -52,6 +52,23 @@ def torch_older_than(major: int, minor: int) -> bool:
     return (int(v[0]), int(v[1])) < (major, minor)
 
 
+def target_matmul_params(t) -> int:
+    """The target's parameters one token is multiplied by in a forward (MFU's 2 * N_target): all of them but the
+    embedding (a lookup; a tied lm_head is a matmul all the same), and of an MoE layer's stacked experts
+    ([E, ...] tensors under `experts.`, the layout of transformers 5 and models/fast_target.py) only the
+    num_experts_per_tok of E a token is routed to. Counting every expert put a Qwen3-30B-A3B run's MFU at 2.26
+    (2026-12-07, H200): ~30B parameters where a token runs ~3.0B besides the embedding."""
+    c = t.config
+    E = getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0) or 0
+    k = getattr(c, "num_experts_per_tok", 0) or 0
+    n = 0
+    for name, p in t.named_parameters():
+        routed = E and k and ".experts." in f".{name}" and p.dim() == 3 and p.shape[0] == E
+        n += p.numel() * k // E if routed else p.numel()
+    embed, head = t.embed_tokens.weight, t.lm_head.weight
+    return n - embed.numel() + (head.numel() if head is embed else 0)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate(cfg)
@@ -374,12 +391,7 @@ class Trainer:
         if not isinstance(
             self.target, TargetHeads
         ):  # a target forward runs here (not offline / a consumer of producers / --backend vllm: vLLM's process)
-            t = self.target
-            n_target = (
-                param_count(t)
-                - t.embed_tokens.weight.numel()
-                + (t.lm_head.weight.numel() if t.lm_head.weight is t.embed_tokens.weight else 0)
-            )  # lookups are not matmuls; lm_head is
+            n_target = target_matmul_params(self.target)
         return Throughput(6 * n_draft * K + 2 * n_target, self.world, peak_flops(self.device))
 
     def sync_device(self):

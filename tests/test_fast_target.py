@@ -305,3 +305,19 @@ def test_layer_shape_reads_an_hf_config_and_its_json_alike():
     assert s["rope_parameters"] == rope_parameters(bare) == {"rope_type": "default", "rope_theta": 5e5, "factor": 8.0}
     with pytest.raises(KeyError):
         layer_shape({k: v for k, v in d.items() if k != "hidden_size"})
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "qwen3_moe"])
+def test_target_matmul_params_count_the_routed_experts_a_token_runs(kind):
+    """MFU's target FLOPs (core/trainer.target_matmul_params): every matmul parameter once, the embedding lookup
+    not, and of an MoE layer's E stacked experts only the k a token is routed to; HF's model and ours alike."""
+    from core.trainer import target_matmul_params  # heavy (the trainer's imports): not at module import
+
+    hf = hf_model(kind)
+    c = hf.config
+    H, V = c.hidden_size, c.vocab_size
+    expected = sum(p.numel() for p in hf.parameters()) - (0 if c.tie_word_embeddings else V * H)
+    if kind == "qwen3_moe":  # layers 1 and 3 sparse: E - k experts of gate, up and down not run by a token
+        expected -= 2 * (c.num_experts - c.num_experts_per_tok) * 3 * H * c.moe_intermediate_size
+    for t in (Target(hf, [1, 3]), FastTarget.from_hf_model(hf, [1, 3])):
+        assert target_matmul_params(t) == expected
