@@ -5,6 +5,9 @@
 #   carry [".device", ".whl-spec", and from .whl the wheels of tyro, docstring_parser, typeguard, datasets, dill,
 #          multiprocess] (the repository ~52 MiB + these ~8 MiB stay under a call's 64 MiB; all of .whl would not),
 #   command `bash .device/run_on_device.sh bash experiments/h200_anchor.sh [the anchor's flags]`.
+# The Qwen3-30B-A3B shape (an H200: its weights alone are 57 GiB on the GPU): `--preset qwen3-30b-a3b --heads-only`,
+# the verifier's embeddings, final norm and lm_head on disk (1.2 GB) and its layers drawn by capture.py on the GPU,
+# since its 61 GB of weights would fill the machine's disk.
 # A call cut at LIMIT keeps the rows written so far ($OUT/speculators_anchor_h200.jsonl); /tmp/speculators_anchor
 # lasts ~30 s after the call, so a call made at once reuses the verifier, the store and their data dir (pass
 # --trainers / --ours for the runs left).

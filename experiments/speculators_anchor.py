@@ -64,12 +64,17 @@ from data.feature_store import StoreError, open_feature_store  # noqa: E402
 from experiments.train_throughput import environment, run, train_py_figures  # noqa: E402
 from models.engines import engine_aux_ids  # noqa: E402
 from models.fast_target import PRESETS  # noqa: E402
+from models.target import fingerprint  # noqa: E402
 
 
 @dataclasses.dataclass
 class Args(MaxLenOption, NumRecordsOption, DataOption):
     preset: str = "llama-3.1-8b"
     """the verifier: a models/fast_target.py preset, written with random weights to --work (or a target dir)"""
+    heads_only: bool = False
+    """the random verifier without its decoder layers on disk (tools/random_target.py --no-weights --heads: the
+    embeddings, final norm and lm_head, which both trainers read; capture.py draws the rest on the GPU): a shape whose
+    weights fill the GPU machine's disk (Qwen3-30B-A3B: 61 GB; with it 1.2 GB)"""
     tokenizer: str = "smollm2"
     """the tokenizer copied into the random verifier (tools/random_target.py --tokenizer: dir, .gguf, smollm2)"""
     num_records: int = 500  # covers --steps (30) of their packed rows with a margin
@@ -161,14 +166,16 @@ def make_verifier(a: Args) -> Path:
     if a.preset not in PRESETS:
         return Path(a.preset)
     cmd = [sys.executable, "tools/random_target.py", a.preset]
-    out = a.work / a.preset
+    out = a.work / (a.preset + ("-heads" if a.heads_only else ""))
     if a.smoke:
         small = dict(PRESETS[a.preset], hidden_size=64, intermediate_size=128, num_hidden_layers=8)
         small |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-        cmd[-1], out = str(a.work / "tiny.json"), a.work / "tiny"
+        # one directory per shape: a smoke of another preset in the same --work must not find this one's
+        cmd[-1], out = str(a.work / "tiny.json"), a.work / ("tiny-" + out.name)
         (a.work / "tiny.json").write_text(json.dumps(small))
     if not (out / "config.json").exists():  # ~1 min for 16 GB on a GPU
-        run([*cmd, str(out), "--tokenizer", a.tokenizer], a.work / "random_target.log")
+        heads = ["--no-weights", "--heads"] if a.heads_only else []
+        run([*cmd, str(out), "--tokenizer", a.tokenizer, *heads], a.work / "random_target.log")
     return out
 
 
@@ -177,10 +184,10 @@ def capture(a: Args, verifier: Path) -> Path:
     store = a.work / "store"
     try:
         s, _ = open_feature_store(store)
-        d = s.schema["data"]
-        if (d["data"], d["num_records"], d["max_len"]) == (a.data, a.num_records, a.max_len):
+        d, fp = s.schema["data"], s.schema["target"]["fingerprint"]
+        if (d["data"], d["num_records"], d["max_len"], fp) == (a.data, a.num_records, a.max_len, fingerprint(verifier)):
             return store
-        raise StoreError(f"{store} holds other settings ({d['data']}, {d['num_records']}, {d['max_len']})")
+        raise StoreError(f"{store} holds other settings ({d['data']}, {d['num_records']}, {d['max_len']}, target {fp})")
     except StoreError as e:
         if (store / "store.json").exists():
             raise SystemExit(f"{e}: delete {store} (and {a.work / 'spec_data'}) first") from None

@@ -57,7 +57,7 @@ from models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from models.target import Features, default_aux_layers, resolve_target, seed_drawn_at_load
+from models.target import HEADS_FILE, Features, default_aux_layers, resolve_target, seed_drawn_at_load
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
@@ -458,12 +458,19 @@ class FastTarget(nn.Module):
     def from_pretrained(cls, spec, aux_layers=None, dtype=torch.bfloat16, device="cuda", need_final=True):
         """An HF directory (or anything models.target.resolve_target takes): safetensors are
         memory-mapped and streamed tensor by tensor to `device`, then assigned (no init). A directory of
-        tools/random_target.py --no-weights has none: its weights are drawn here, as from_config with its seed."""
+        tools/random_target.py --no-weights has none: its weights are drawn here, as from_config with its seed, and
+        with --heads the embeddings, final norm and lm_head are then read from its HEADS_FILE (those that training
+        from features captured here reads: the two must agree)."""
         path = resolve_target(str(spec))
         config = TargetConfig.from_dict(json.loads((path / "config.json").read_text()))
         if (seed := seed_drawn_at_load(path)) is not None:  # tools/random_target.py --no-weights: drawn here
             m = cls.from_config(config, aux_layers, dtype, device, need_final, seed)
             m.path = path
+            if (path / HEADS_FILE).exists():
+                own = m.state_dict()
+                with safe_open(str(path / HEADS_FILE), framework="pt", device="cpu") as st, torch.no_grad():
+                    for k in st.keys() & own.keys():  # a tensor this build lacks is dropped, as _assign does
+                        own[k].copy_(st.get_tensor(k))  # a tied lm_head is the embedding: copied once with it
             return m
         with torch.device("meta"):
             m = cls(config, aux_layers, need_final, path)

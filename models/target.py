@@ -378,6 +378,7 @@ def packed_attention_mask(doc_ids: torch.Tensor, dtype, attn_implementation: str
 
 
 DRAWN_AT_LOAD = "drawn at load"  # config.json's nanospec_random.weights of `tools/random_target.py --no-weights`
+HEADS_FILE = "model.safetensors"  # beside DRAWN_AT_LOAD (--no-weights --heads): the embeddings, final norm and lm_head
 
 
 def seed_drawn_at_load(path: Path) -> int | None:
@@ -390,8 +391,11 @@ def seed_drawn_at_load(path: Path) -> int | None:
     return int(random.get("seed", 0)) if random.get("weights") == DRAWN_AT_LOAD else None
 
 
-def refuse_drawn_at_load(path: Path, who: str):
-    """A TargetError for loaders that read weight files (transformers, the heads of stored features)."""
+def refuse_drawn_at_load(path: Path, who: str, heads_will_do: bool = False):
+    """A TargetError for loaders that read weight files (transformers, the heads of stored features); with
+    heads_will_do (a loader of the heads alone) none where HEADS_FILE holds them (tools/random_target.py --heads)."""
+    if heads_will_do and (Path(path) / HEADS_FILE).exists():
+        return
     if seed_drawn_at_load(path) is not None:
         raise TargetError(
             f"{path} has no weight files (tools/random_target.py --no-weights: the compiled backend draws them when "
@@ -444,7 +448,7 @@ def load_heads(spec, aux_layers, dtype=torch.float32, device="cpu", norm: bool =
     from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers (~1.5 s to import)
 
     path = resolve_target(str(spec))
-    refuse_drawn_at_load(path, "training from stored features (its embeddings and lm_head)")
+    refuse_drawn_at_load(path, "training from stored features (its embeddings and lm_head)", heads_will_do=True)
     config = _from_pretrained(AutoConfig, path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -4,6 +4,7 @@ with the same hidden states (the disaggregated producer's HF target), with a cha
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig
 from models.target import Target, TargetError, load_heads
@@ -68,3 +69,26 @@ def test_no_weights_target_is_drawn_at_load(tmp_path):
         Target.load(out, [0, 1, 2], torch.float32, "cpu")
     with pytest.raises(TargetError, match="no weight files.*stored features"):
         load_heads(out, [0, 1, 2])
+
+
+def test_heads_only_target_draws_the_layers_and_reads_its_heads(tmp_path):
+    """--no-weights --heads (the offline anchor's 30B-A3B verifier): model.safetensors holds the embeddings, final norm
+    and lm_head alone; the compiled backend draws the layers with the seed and takes those three from the file, the
+    stored features' loader reads them, and transformers still refuses a directory without its layers."""
+    cfg = {**PRESETS["qwen3-30b-a3b"], **TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    with pytest.raises(ValueError, match="weights=False"):
+        write_random_target(cfg, tmp_path / "w", dtype=torch.float32, heads=True)
+    out = write_random_target(cfg, tmp_path / "t", dtype=torch.float32, seed=5, weights=False, heads=True)
+    heads = load_file(out / "model.safetensors")
+    assert sorted(heads) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    drawn = FastTarget.from_config(TargetConfig.from_dict(cfg), [0, 1, 2], dtype=torch.float32, device="cpu", seed=5)
+    back = FastTarget.from_pretrained(out, [0, 1, 2], dtype=torch.float32, device="cpu")
+    ours, ref = back.state_dict(), drawn.state_dict()
+    for k in ref:
+        assert torch.equal(ours[k], heads[k] if k in heads else ref[k]), k
+    assert not torch.equal(ours["lm_head.weight"], ref["lm_head.weight"])  # the file's, not the seed's draw
+    h = load_heads(out, [0, 1, 2])
+    assert torch.equal(h.embed_tokens.weight, heads["model.embed_tokens.weight"])
+    assert torch.equal(h.lm_head.weight, heads["lm_head.weight"])
+    with pytest.raises(TargetError, match="no weight files.*the hf backend"):
+        Target.load(out, [0, 1, 2], torch.float32, "cpu")

@@ -115,3 +115,15 @@ def test_their_fused_loss_failure_reruns_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(anchor, "run", other_failure)
     with pytest.raises(SystemExit):
         anchor.their_row(a, tmp_path / "v", tmp_path / "d", env, [2, 16, 29])
+
+
+def test_a_store_of_another_verifier_is_not_reused(tmp_path):
+    """capture() reuses --work's store only for the same data settings and the same verifier (its fingerprint):
+    a run for another preset in the same --work stops with what to delete, not training on the other's features."""
+    tiny_store(tmp_path / "store")  # data "x", 4 records, max_len 16, target fingerprint "f"
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text('{"model_type": "llama"}')
+    a = anchor.Args(data="x", num_records=4, max_len=16, work=tmp_path)
+    with pytest.raises(SystemExit, match="holds other settings.*target f.*delete"):
+        anchor.capture(a, verifier)

@@ -18,6 +18,11 @@ whole disk of the GPU machine. Nothing else reads such a directory (transformers
 say so.
 
     python tools/random_target.py qwen3-30b-a3b /tmp/qwen30b --no-weights   # seconds, a few MB
+
+--no-weights --heads adds model.safetensors with the embeddings, the final norm and the lm_head alone (1.2 GB for
+Qwen3-30B-A3B): what training from stored features and speculators' offline trainer read from a target (the offline
+anchor, experiments/speculators_anchor.py --heads-only). FastTarget.from_pretrained then draws the rest and takes
+these from the file, so captured features and the heads agree; transformers still refuses the directory.
 """
 
 import dataclasses
@@ -35,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.fast_target import PRESETS, FastTarget, TargetConfig  # noqa: E402
-from models.target import DEFAULT_TARGET, DRAWN_AT_LOAD, resolve_target  # noqa: E402
+from models.target import DEFAULT_TARGET, DRAWN_AT_LOAD, HEADS_FILE, resolve_target  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 
@@ -48,9 +53,13 @@ def write_random_target(
     dtype=torch.bfloat16,
     seed: int = 0,
     weights: bool = True,
+    heads: bool = False,
 ) -> Path:
     """Build the model on `device`, write it to `out` (through a temporary dir renamed into place). weights=False:
-    config.json and the tokenizer only, the weights drawn by FastTarget.from_pretrained when it loads `out`."""
+    config.json and the tokenizer only, the weights drawn by FastTarget.from_pretrained when it loads `out`;
+    with heads=True also HEADS_FILE (write_heads)."""
+    if heads and weights:
+        raise ValueError("heads=True writes the heads of a target drawn at load: pass weights=False with it")
     from transformers import AutoTokenizer  # lazy: transformers (~1.5 s to import) stays out of --help
 
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
@@ -66,6 +75,8 @@ def write_random_target(
     tmp.mkdir(parents=True)
     if weights:
         write_weights(config, tmp, device, dtype, seed)
+    elif heads:
+        write_heads(config, tmp, device, dtype, seed)
     random = {"seed": seed, "tokenizer": tokenizer} | ({} if weights else {"weights": DRAWN_AT_LOAD})
     cfg = {**config, "torch_dtype": str(dtype).removeprefix("torch."), "nanospec_random": random}
     (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -105,6 +116,18 @@ def write_weights(config: dict, tmp: Path, device: str, dtype, seed: int):
     )
 
 
+def write_heads(config: dict, tmp: Path, device: str, dtype, seed: int):
+    """HEADS_FILE: the embeddings and lm_head N(0, 0.02), the final norm 1, under the checkpoint names (FastTarget's,
+    transformers' and speculators' alike), drawn on their own (not the whole model's 61 GB to take three tensors)."""
+    V, H = config["vocab_size"], config["hidden_size"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    heads = {"model.embed_tokens.weight": torch.empty(V, H, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)}
+    heads["model.norm.weight"] = torch.ones(H, device=device, dtype=dtype)
+    if not config.get("tie_word_embeddings"):
+        heads["lm_head.weight"] = torch.empty(V, H, device=device, dtype=dtype).normal_(0.0, 0.02, generator=g)
+    save_file({k: v.cpu() for k, v in heads.items()}, tmp / HEADS_FILE, metadata={"format": "pt"})
+
+
 @dataclasses.dataclass
 class Args:
     preset: Annotated[
@@ -121,14 +144,18 @@ class Args:
     """model dir / .gguf / 'smollm2' whose tokenizer is copied"""
     weights: bool = True
     """--no-weights: no weight files; the compiled backend draws them when it loads the directory"""
+    heads: bool = False
+    """with --no-weights: the embeddings, final norm and lm_head in model.safetensors (stored features' training
+    and speculators' trainer read them); the compiled backend draws the rest"""
 
 
 def main(a: Args):
     config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed, a.weights)
+    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed, a.weights, a.heads)
     gib = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
-    print(f"wrote {out} ({f'{gib:.1f} GiB' if a.weights else 'no weights: drawn at load by --backend compiled'})")
+    drawn = f"heads only ({gib:.1f} GiB), the rest" if a.heads else "no weights:"
+    print(f"wrote {out} ({f'{gib:.1f} GiB' if a.weights else f'{drawn} drawn at load by --backend compiled'})")
 
 
 if __name__ == "__main__":
