@@ -14,8 +14,8 @@ N(0, 0.02), norms 1, biases 0, as FastTarget.from_config draws them; --seed fixe
 
 --no-weights writes config.json and the tokenizer only, and the compiled backend draws the weights on the GPU
 when it loads the directory (FastTarget.from_pretrained): the Qwen3-30B-A3B shape is 61 GB of weights, about the
-whole disk of the GPU machine. Nothing else reads such a directory (transformers, stored features' heads): they
-say so.
+whole disk of the GPU machine. Nothing else reads such a directory (transformers, stored features' heads unless
+--heads below): they say so.
 
     python tools/random_target.py qwen3-30b-a3b /tmp/qwen30b --no-weights   # seconds, a few MB
 
