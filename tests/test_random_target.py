@@ -2,6 +2,10 @@
 backend with the same weights (so train.py --backend compiled runs on it) and into transformers
 with the same hidden states (the disaggregated producer's HF target), with a chat template."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,6 +14,7 @@ from models.fast_target import PRESETS, FastTarget, TargetConfig
 from models.target import Target, TargetError, load_heads
 from tools.random_target import write_random_target
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     "vocab_size": 49152,
     "hidden_size": 64,
@@ -40,6 +45,18 @@ def test_written_target_loads_back(tmp_path, preset):
 
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and not (tmp_path / "t.tmp").exists()
+
+
+def test_cli_says_what_does_not_fit_in_one_line(tmp_path):
+    """--heads without --no-weights on the command line: an `error:` line and exit 1, no traceback, nothing written."""
+    p = subprocess.run(
+        [sys.executable, "tools/random_target.py", "llama-3.1-8b", str(tmp_path / "t"), "--heads"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: heads=True") and not (tmp_path / "t").exists()
 
 
 def test_vocab_smaller_than_tokenizer_fails(tmp_path):

@@ -152,7 +152,10 @@ class Args:
 def main(a: Args):
     config = PRESETS[a.preset] if a.preset in PRESETS else json.loads(Path(a.preset).read_text())
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed, a.weights, a.heads)
+    try:
+        out = write_random_target(dict(config), a.out, a.tokenizer, a.device, dtype, a.seed, a.weights, a.heads)
+    except ValueError as e:  # the options or the tokenizer do not fit the preset: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
     gib = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**30
     drawn = f"heads only ({gib:.1f} GiB), the rest" if a.heads else "no weights:"
     print(f"wrote {out} ({f'{gib:.1f} GiB' if a.weights else f'{drawn} drawn at load by --backend compiled'})")
